@@ -1,0 +1,22 @@
+"""Checkpoint config (the `checkpoint` group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CheckpointConfig:
+    #: none | sync (dcp.save) | async (dcp.async_save, thread) | async_process
+    mode: str = "none"
+    #: Save every `interval` optimizer steps (0 disables periodic saves).
+    interval: int = 100
+    #: Keep this many complete checkpoints (the newest complete one is never pruned).
+    keep_last: int = 2
+    #: Where step directories go; relative paths are inside the run directory.
+    dir: str = "checkpoints"
+    #: auto: newest complete checkpoint of this run if any; none: start fresh; or a path.
+    resume: str = "auto"
+    save_at_end: bool = True
+    #: Also write Hugging Face safetensors (+ config.json) at the end of the run.
+    export_hf: bool = False

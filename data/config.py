@@ -1,0 +1,26 @@
+"""Data config (the `data` group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DataConfig:
+    #: embedded (Python stdlib source text, byte tokenizer, no download) | hf
+    name: str = "embedded"
+    #: hf: a hub dataset name, or local files/dir (jsonl, json, parquet, txt; globs allowed).
+    path: str | None = None
+    #: hf: dataset config name (e.g. "sample-10BT") and split.
+    subset: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = False
+    #: "byte" (built-in byte-level tokenizer) or an AutoTokenizer name/local path.
+    tokenizer: str = "byte"
+    #: Training sequence length (tokens per sample); packed, no padding.
+    seq_len: int = 256
+    #: embedded: cap on corpus size in bytes.
+    max_bytes: int = 8_000_000
+    #: Seed of the sample order (independent of the model seed).
+    shuffle_seed: int = 0

@@ -1,0 +1,49 @@
+"""Model shape config (the `model` group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama-3 RoPE frequency scaling (HF `rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    #: "auto" picks TE when CUDA and transformer_engine are importable, else the reference.
+    impl: str = "auto"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    #: Tokenizer vocabulary. The embedding and output head are padded up to
+    #: a multiple of `pad_vocab_multiple` (FP8 GEMMs and TP need divisible shapes).
+    vocab_size: int = 258
+    pad_vocab_multiple: int = 128
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    #: None disables frequency scaling (plain RoPE).
+    rope_scaling: RopeScalingConfig | None = field(default_factory=RopeScalingConfig)
+    tie_embeddings: bool = False
+    #: Std of the normal init of linear and embedding weights; output projections
+    #: (attention proj, fc2) are scaled by 1/sqrt(2 * n_layers).
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m

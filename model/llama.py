@@ -1,0 +1,143 @@
+"""Plain-PyTorch Llama: the reference implementation (runs anywhere, including CPU).
+
+Its module tree and parameter names mirror the TE implementation (te.TransformerLayer), so
+both produce the same state-dict layout (ARCHITECTURE.md decision 1):
+
+    embed.weight                                          (padded_vocab, dim)
+    layers.<i>.self_attention.layernorm_qkv.layer_norm_weight   (dim,)
+    layers.<i>.self_attention.layernorm_qkv.{query,key,value}_weight
+    layers.<i>.self_attention.proj.weight                 (dim, n_heads * head_dim)
+    layers.<i>.layernorm_mlp.layer_norm_weight            (dim,)
+    layers.<i>.layernorm_mlp.fc1_weight                   (2 * ffn_dim, dim), rows = [gate; up]
+    layers.<i>.layernorm_mlp.fc2_weight                   (dim, ffn_dim)
+    norm.weight                                           (dim,)
+    lm_head.weight                                        (padded_vocab, dim), absent when tied
+
+Q, K and V are separate tensors and fc1 keeps [gate; up] over the full ffn_dim, so no
+tensor's global layout depends on the tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.rope import apply_rope, rope_freqs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """Bias-free linear whose weight is called `weight` (TE's te.Linear naming)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class LayerNormQKV(nn.Module):
+    """RMSNorm followed by the Q, K, V projections (TE LayerNormLinear with parameters_split)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.eps = cfg.norm_eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(cfg.dim))
+        self.query_weight = nn.Parameter(torch.empty(cfg.n_heads * hd, cfg.dim))
+        self.key_weight = nn.Parameter(torch.empty(cfg.n_kv_heads * hd, cfg.dim))
+        self.value_weight = nn.Parameter(torch.empty(cfg.n_kv_heads * hd, cfg.dim))
+
+    def forward(self, x):
+        h = rms_norm(x, self.layer_norm_weight, self.eps)
+        return F.linear(h, self.query_weight), F.linear(h, self.key_weight), F.linear(h, self.value_weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.layernorm_qkv = LayerNormQKV(cfg)
+        self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
+
+    def forward(self, x, freqs):
+        b, s, _ = x.shape
+        q, k, v = self.layernorm_qkv(x)
+        # Under tensor parallelism the projections hold a slice of the heads; infer it.
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
+        v = v.view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LayerNormMLP(nn.Module):
+    """RMSNorm + SwiGLU MLP with fused [gate; up] fc1 (TE LayerNormMLP naming)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(cfg.dim))
+        self.fc1_weight = nn.Parameter(torch.empty(2 * cfg.ffn_dim, cfg.dim))
+        self.fc2_weight = nn.Parameter(torch.empty(cfg.dim, cfg.ffn_dim))
+
+    def forward(self, x):
+        h = rms_norm(x, self.layer_norm_weight, self.eps)
+        gate, up = F.linear(h, self.fc1_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.fc2_weight)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attention = Attention(cfg)
+        self.layernorm_mlp = LayerNormMLP(cfg)
+
+    def forward(self, x, freqs):
+        x = x + self.self_attention(x, freqs)
+        return x + self.layernorm_mlp(x)
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.padded_vocab_size)
+        self.register_buffer("freqs", rope_freqs(cfg, cfg.max_seq_len), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers after meta-device construction + to_empty."""
+        self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, self.freqs)
+        x = self.norm(x)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)

@@ -1,0 +1,26 @@
+"""Parallel layout config (the `parallel` group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelConfig:
+    #: ddp | fsdp | hsdp | tp | fsdp_tp | hsdp_tp
+    name: str = "fsdp"
+    #: Degrees. Their product must equal the world size; dp_shard=-1 takes what is left.
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    #: Reserved for context parallelism; must be 1.
+    cp: int = 1
+    #: FSDP2: free the all-gathered weights after forward (re-gather in backward).
+    reshard_after_forward: bool = True
+    #: FSDP2 mixed precision: dtype of all-gathered params and of gradient reduction.
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "fp32"
+    #: TE tensor parallel: sequence-parallel norms/activations between the TP regions.
+    sequence_parallel: bool = True
+    #: Recompute each transformer block in backward.
+    activation_checkpointing: bool = False
