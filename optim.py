@@ -1,0 +1,77 @@
+"""Optimizer, LR schedule and gradient clipping for both model implementations."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices (linear and embedding weights) decay; norm weights (1-D) do not."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, impl: str,
+                    fused_adam_kwargs: dict | None = None) -> torch.optim.Optimizer:
+    """torch AdamW for the reference; TE FusedAdam (DTensor-aware, optional fp32 master
+    weights for quantized parameters) for the TE implementation."""
+    groups = param_groups(model, cfg.weight_decay)
+    common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if impl == "te":
+        from transformer_engine.pytorch.optimizers import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **common, **(fused_adam_kwargs or {}))
+    return torch.optim.AdamW(groups, **common)
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """Linear warmup from lr/warmup to lr, then cosine decay to lr * min_lr_ratio at the end.
+
+    Indexed by the number of optimizer steps already taken (LambdaLR's convention)."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over plain and DTensor gradients on any mix of meshes; clips
+    when max_norm > 0. Returns the norm as a 0-d tensor (no host sync).
+
+    Gradients are grouped by (mesh, placements): each group's norm is one foreach kernel and,
+    for DTensors, one reduction across the ranks that hold its shards."""
+    params = [p for p in params if p.grad is not None]
+    groups: dict = defaultdict(list)
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups[key].append(g)
+    norms = []
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,143 @@
+"""Config composition and bad input: every wrong configuration fails with one clear line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from config import ConfigError, register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def load(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
+def check(*overrides: str, world_size: int = 1):
+    from train import check_config
+
+    return check_config(load(*overrides), world_size, torch.device("cpu"))
+
+
+def test_default_composes_and_validates():
+    cfg = load()
+    assert (cfg.model.name, cfg.recipe.name, cfg.parallel.name) == ("tiny", "bf16", "fsdp")
+    assert cfg.run.name == "tiny-bf16-fsdp"
+    dims, grad_accum, impl = check()
+    assert impl == "torch" and grad_accum == 1 and dims.dp_size == 1
+
+
+@pytest.mark.parametrize("group,options", [
+    ("model", ["tiny", "small", "llama3_1b", "llama3_8b", "llama3_70b"]),
+    ("recipe", ["bf16", "fp8_delayed", "fp8_cs", "fp8_block", "mxfp8", "nvfp4"]),
+    ("parallel", ["ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp"]),
+    ("checkpoint", ["none", "sync", "async", "async_process"]),
+    ("data", ["embedded", "hf"]),
+    ("logger", ["default", "wandb"]),
+])
+def test_every_group_option_composes(group, options):
+    for option in options:
+        cfg = load(f"{group}={option}")
+        node = getattr(cfg, group)
+        if hasattr(node, "name"):
+            assert node.name == option
+
+
+def test_llama3_shapes():
+    cfg = load("model=llama3_8b")
+    m = cfg.model
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (
+        4096, 32, 32, 8, 14336, 128256)
+    assert m.padded_vocab_size == 128256 and m.rope_scaling.factor == 8.0
+    assert load("model=llama3_1b").model.tie_embeddings
+    assert load("model=llama3_70b").model.n_layers == 80
+
+
+def test_big_composition_from_issue():
+    cfg = load("model=llama3_8b", "recipe=fp8_cs", "parallel=hsdp_tp", "checkpoint=async", "data=hf")
+    assert cfg.checkpoint.mode == "async" and cfg.parallel.tp == 2 and cfg.data.name == "hf"
+
+
+# (overrides, world_size, expected substring of the one-line message)
+BAD = [
+    (["optim.lr=-1"], 1, "optim.lr=-1.0 must be > 0"),
+    (["data.seq_len=4096"], 1, "data.seq_len=4096 exceeds model.max_seq_len=2048"),
+    (["train.global_batch_size=10", "train.micro_batch_size=4"], 1,
+     "train.global_batch_size=10 must be divisible by train.micro_batch_size=4"),
+    (["train.global_batch_size=6", "train.micro_batch_size=2"], 4,
+     "train.global_batch_size=6 must be divisible by train.micro_batch_size=2 x data-parallel size 4"),
+    (["model.impl=te"], 1, "model.impl=te needs a CUDA GPU and transformer_engine"),
+    (["recipe=fp8_cs", "model.impl=torch"], 1, "recipe=fp8_cs needs the TE implementation"),
+    (["recipe=mxfp8"], 1, "recipe=mxfp8 needs"),
+    (["model.n_heads=3"], 1, "model.dim=128 must be divisible by model.n_heads=3"),
+    (["model.n_kv_heads=3"], 1, "model.n_heads=4 must be divisible by model.n_kv_heads=3"),
+    (["optim.warmup_steps=300"], 1, "optim.warmup_steps=300 must be in [0, train.steps=300)"),
+    (["checkpoint.mode=sometimes"], 1, "checkpoint.mode='sometimes' is not one of"),
+    (["logger.wandb.mode=maybe"], 1, "logger.wandb.mode='maybe' is not one of"),
+    (["data=hf"], 1, "data.path is required with data=hf"),
+    (["model.impl=jax"], 1, "model.impl='jax' is not one of auto, te, torch"),
+    (["parallel=hsdp"], 1, "parallel"),
+    (["parallel=tp", "parallel.tp=3"], 4, "parallel.tp"),
+    (["parallel=tp", "model.n_kv_heads=1"], 2, "n_kv_heads"),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,message", BAD)
+def test_bad_config_one_line(overrides, world_size, message):
+    with pytest.raises(ConfigError) as err:
+        check(*overrides, world_size=world_size)
+    text = str(err.value)
+    assert message in text, text
+    assert "\n" not in text
+
+
+def test_tp2_on_two_ranks_is_valid():
+    dims, _, _ = check("parallel=tp", world_size=2)
+    assert dims.tp == 2
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model=foo"], "Could not find 'model/foo'"),
+    (["model.dim=abc"], "model.dim"),
+    (["model.typo=1"], "typo"),
+    (["train.steps=1.5"], "train.steps"),
+])
+def test_hydra_rejects_unknown_option_key_and_type(overrides, message):
+    with pytest.raises((HydraException, OmegaConfBaseException)) as err:
+        load(*overrides)
+    assert message in str(err.value)
+
+
+def run_cli(*overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "train.py", *overrides, "run.root=/nonexistent-never-created"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
+    (["recipe=fp8_cs"], "error: recipe=fp8_cs needs"),
+    (["model=foo"], "Could not find 'model/foo'"),
+])
+def test_cli_bad_input_one_line_no_traceback(overrides, message):
+    r = run_cli(*overrides)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert message in lines[0], r.stderr
+    if message.startswith("error:"):
+        assert len(lines) == 1, r.stderr
+        assert r.returncode == 2
+    assert not Path("/nonexistent-never-created").exists()

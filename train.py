@@ -1,0 +1,235 @@
+"""Train a Llama-style model with TransformerEngine (or the plain-PyTorch reference).
+
+    python train.py                                   # tiny model, embedded corpus, CPU or 1 GPU
+    python train.py --cfg job                         # print the composed config
+    torchrun --nproc_per_node=8 train.py model=llama3_8b recipe=fp8_cs parallel=hsdp_tp \
+        checkpoint=async data=hf data.path=HuggingFaceFW/fineweb-edu data.subset=sample-10BT
+
+Setup runs in a fixed order; each step says why it sits where it does. Re-running the same
+command resumes from the newest complete checkpoint in runs/<run.name>/.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from checkpoint import CheckpointManager, TrainState, training_state
+from config import Config, ConfigError, register_configs, validate, validate_batch
+from data import build_loader, build_tokenizer
+from logger import MetricsLogger
+from model import build_model, init_weights, resolve_impl, te_available
+from model.flops import flops_per_token, peak_tflops
+from optim import build_optimizer, build_scheduler, clip_grad_norm
+from parallel import ParallelDims, parallelize
+from recipes import build_recipe, check_recipe
+
+register_configs()
+
+#: Exit status after a checkpoint saved on a stop signal (Slurm's --signal or SIGTERM);
+#: slurm/train.sbatch turns it into `scontrol requeue`.
+EXIT_REQUEUE = 3
+
+
+def check_config(cfg: Config, world_size: int, device: torch.device):
+    """Everything that can be wrong with the config, checked before any expensive work."""
+    validate(cfg)
+    dims = ParallelDims(cfg.parallel, world_size)
+    dims.validate_model(cfg.model)
+    grad_accum = validate_batch(cfg, dims.dp_size)
+    impl = resolve_impl(cfg.model.impl)
+    if impl == "te" and not te_available():
+        raise ConfigError("model.impl=te needs a CUDA GPU and transformer_engine "
+                          "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto")
+    check_recipe(cfg.recipe, impl, device)
+    return dims, grad_accum, impl
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class StopSignal:
+    """Turns SIGUSR1 (Slurm's early warning) and SIGTERM (preemption) into a flag the loop
+    checks at log steps (where it syncs anyway), so every rank stops after the same step and
+    the checkpoint is written between steps, never inside one."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def agreed(self, device) -> bool:
+        """All ranks stop at the same step if any rank got the signal."""
+        flag = torch.tensor([float(self.received is not None)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def run(cfg: Config) -> int:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = pick_device(cfg.train.device)
+
+    # 1. Config check: one clear line for any bad input, before processes, GPUs or data.
+    dims, grad_accum, impl = check_config(cfg, world_size, device)
+    recipe = build_recipe(cfg.recipe, cfg.model.n_layers)
+    tokenizer = build_tokenizer(cfg.data)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}")
+
+    # 2. Processes and mesh: the mesh object owns every process group (ARCHITECTURE.md #3).
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dims.build_mesh(device.type)
+    torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
+
+    # 3. Model on the meta device: no memory until the layout is known.
+    te_kwargs = {}
+    if impl == "te":
+        te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
+                         sequence_parallel=cfg.parallel.sequence_parallel and dims.tp > 1,
+                         bf16_layers=tuple(sorted(recipe.bf16_layer_ids)))
+    with torch.device("meta"), recipe.quantized_init_context():
+        model = build_model(cfg.model, impl, **te_kwargs)
+
+    # 4. Parallelize from outside the model: TP first, then FSDP2 (order in parallel/).
+    model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=device.type == "cuda")
+
+    # 5. Materialize and initialize from the seed: same weights for every impl and layout.
+    model.to_empty(device=device)
+    model.reset_buffers()
+    init_weights(model, cfg.model, cfg.train.seed)
+
+    # 6. Optimizer and schedule (TE: FusedAdam, with fp32 masters for quantized params).
+    optimizer = build_optimizer(model, cfg.optim, impl, recipe.fused_adam_kwargs())
+    recipe.seed_master_weights(model, optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+
+    # 7. Data: each data-parallel rank reads its rows of one global batch order.
+    loader = build_loader(cfg.data, tokenizer, global_batch_size=cfg.train.global_batch_size,
+                          dp_rank=dims.dp_rank, dp_size=dims.dp_size)
+
+    # 8. Run directory, checkpoint resume, logger (in that order: the logger trims metrics
+    #    to the resumed step and reuses the wandb id stored in the checkpoint).
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    train_state = TrainState(config_yaml=config_yaml)
+    state = training_state(model, optimizer, scheduler, loader, train_state)
+    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank=rank, world_size=world_size)
+    start_step = ckpt.resume(state)
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(config_yaml)
+    logger = MetricsLogger(cfg.logger, run_dir, rank=rank, run_name=cfg.run.name,
+                           config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                           tags=[cfg.model.name, cfg.recipe.name, cfg.parallel.name])
+    train_state.wandb_run_id = logger.start(start_step, train_state.wandb_run_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M recipe={recipe.name} "
+                f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
+                f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else ""))
+
+    # 9. Train.
+    stop = StopSignal()
+    seq_len = cfg.data.seq_len
+    tokens_per_step = cfg.train.global_batch_size * seq_len
+    flops_tok = flops_per_token(cfg.model, seq_len)
+    peak = cfg.train.peak_tflops or (peak_tflops(torch.cuda.get_device_name(device))
+                                     if device.type == "cuda" else None)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else nullcontext())
+    amax_group = dims.weight_shard_group
+    t_last, step_last = time.perf_counter(), start_step
+    model.train()
+    for step in range(start_step + 1, cfg.train.steps + 1):
+        batch = loader.next_batch().to(device, non_blocking=True)
+        step_loss = torch.zeros((), device=device)
+        for micro in batch.chunk(grad_accum):
+            with autocast, recipe.autocast(amax_group=amax_group):
+                logits = model(micro[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+            (loss / grad_accum).backward()
+            step_loss += loss.detach() / grad_accum
+        grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
+
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if dims.dp_group is not None:  # mean over data-parallel ranks (TP ranks agree)
+                dist.all_reduce(step_loss, group=dims.dp_group)
+                step_loss /= dims.dp_size
+            now = time.perf_counter()
+            loss_value = step_loss.item()  # the one host sync per log step
+            tps = tokens_per_step * (step - step_last) / (now - t_last)
+            record = dict(step=step, loss=loss_value, grad_norm=grad_norm.item(),
+                          lr=scheduler.get_last_lr()[0], tokens_seen=train_state.tokens_seen,
+                          tokens_per_s=tps, tokens_per_s_per_device=tps / world_size,
+                          mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
+                          mem_gb=peak_memory_gb(device), **ckpt.stats())
+            logger.log(record)
+            t_last, step_last = time.perf_counter(), step
+            # Checked where the loop syncs anyway: a stop lands within log_every steps.
+            stopping = stop.agreed(device)
+        else:
+            stopping = False
+
+        ckpt.maybe_save(step, state, force=stopping)
+        if stopping:
+            logger.info(f"stop signal {stop.received}: checkpoint at step {step} saved; exiting "
+                        f"with status {EXIT_REQUEUE} for requeue")
+            ckpt.finish(step, state, save=False)
+            logger.finish()
+            return EXIT_REQUEUE
+    ckpt.finish(cfg.train.steps, state)
+    logger.finish()
+    return 0
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+@hydra.main(config_path="conf", config_name="config", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    try:
+        cfg: Config = OmegaConf.to_object(dcfg)
+        status = run(cfg)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        status = 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
