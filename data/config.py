@@ -24,3 +24,9 @@ class DataConfig:
     max_bytes: int = 8_000_000
     #: Seed of the sample order (independent of the model seed).
     shuffle_seed: int = 0
+    #: false: samples in corpus order (same order every epoch; streaming == non-streaming).
+    shuffle: bool = True
+    #: hf streaming: documents in the shuffle buffer (streams cannot be shuffled globally).
+    shuffle_buffer: int = 10_000
+    #: hf: datasets cache (downloads, tokenized data); null = the Hugging Face default.
+    cache_dir: str | None = None

@@ -1,0 +1,23 @@
+"""Data: the embedded corpus, Hugging Face datasets, tokenizers, packing, a resumable loader.
+
+    tok = build_tokenizer(cfg.data)
+    loader = build_loader(cfg.data, tok, global_batch_size=G, dp_rank=r, dp_size=dp)
+    x = loader.next_batch()          # (G // dp, seq_len + 1); inputs x[:, :-1], labels x[:, 1:]
+    loader.state_dict() / loader.load_state_dict(d)   # the global position, dp-size free
+
+See data/loader.py for the sample-order contract that makes multi-rank runs and resumes exact.
+"""
+
+from data.config import DataConfig
+from data.loader import PackedLoader, StreamingLoader, build_loader
+from data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "DataConfig",
+    "HFTokenizer",
+    "PackedLoader",
+    "StreamingLoader",
+    "build_loader",
+    "build_tokenizer",
+]

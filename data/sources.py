@@ -1,0 +1,169 @@
+"""Where documents come from: the embedded corpus and Hugging Face `datasets` (hub or local).
+
+Both return a `datasets.Dataset` (or `IterableDataset` when streaming) with a text column;
+tokenization and packing happen in data/packing.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+
+import datasets
+
+from data.config import DataConfig
+from data.tokenizer import config_error, one_line
+
+# --- embedded corpus ---------------------------------------------------------------------
+
+# Tests are skipped: they are a large, repetitive share of the stdlib and some are
+# deliberately malformed (bad encodings, syntax errors).
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_documents(max_bytes: int) -> tuple[list[str], list[str]]:
+    """(relative paths, texts) of the stdlib's *.py files in sorted walk order, <= max_bytes.
+
+    The last file is cut so the corpus holds exactly min(max_bytes, available) UTF-8 bytes
+    (give or take a split multi-byte character). The content depends on the Python version.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    paths, texts, remaining = [], [], max_bytes
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py") or name.startswith("test_"):
+                continue
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as f:
+                raw = f.read(remaining + 4)
+            text = raw.decode("utf-8", errors="replace")
+            encoded = text.encode("utf-8")
+            if len(encoded) > remaining:
+                text = encoded[:remaining].decode("utf-8", errors="ignore")
+            if not text:
+                continue
+            paths.append(os.path.relpath(full, root))
+            texts.append(text)
+            remaining -= len(text.encode("utf-8"))
+            if remaining <= 0:
+                return paths, texts
+    return paths, texts
+
+
+def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:
+    """The Python standard library's own source as a `datasets.Dataset` (columns path, text).
+
+    Built in memory on every call (about a second for 8 MB): nothing is downloaded, nothing is
+    stored in the repo, and no cache can go stale.
+    """
+    if cfg.max_bytes <= 0:
+        raise config_error(f"data.max_bytes={cfg.max_bytes} must be > 0")
+    paths, texts = stdlib_documents(cfg.max_bytes)
+    if not texts:
+        raise config_error(
+            f"data=embedded found no Python source under {sysconfig.get_paths()['stdlib']!r}; "
+            "use data=hf with data.path=<your text files>")
+    return datasets.Dataset.from_dict({"path": paths, "text": texts})
+
+
+# --- Hugging Face datasets ---------------------------------------------------------------
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_LOCAL_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+
+
+def _builder_for(path: str) -> str | None:
+    """datasets builder for a file name, looking through one compression suffix."""
+    stem = path.lower()
+    for suffix in _COMPRESSION:
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    return _BUILDERS.get(os.path.splitext(stem)[1])
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(_LOCAL_PREFIXES) or _builder_for(path) is not None
+
+
+def resolve_local_files(path: str) -> list[str] | None:
+    """Sorted data files for a local file, directory (recursive) or glob; None = a hub name."""
+    expanded = os.path.expanduser(path)
+    supported = "/".join(sorted(_BUILDERS))
+    if glob.has_magic(expanded):
+        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise config_error(f"data.path={path!r} matched no files; fix the pattern")
+        unsupported = [f for f in files if _builder_for(f) is None]
+        if unsupported:
+            raise config_error(
+                f"data.path={path!r} matched {unsupported[0]!r}, which is not {supported}; "
+                "narrow the pattern")
+        return files
+    if os.path.isdir(expanded):
+        files = sorted(f for f in glob.glob(os.path.join(expanded, "**", "*"), recursive=True)
+                       if os.path.isfile(f) and _builder_for(f) is not None)
+        if not files:
+            raise config_error(
+                f"data.path={path!r} is a directory without {supported} files; "
+                "point data.path at your data files")
+        return files
+    if os.path.isfile(expanded):
+        if _builder_for(expanded) is None:
+            raise config_error(
+                f"data.path={path!r} is not a {supported} file; convert it or use one of those")
+        return [expanded]
+    if _looks_local(path):
+        raise config_error(f"data.path={path!r} does not exist; fix the path")
+    return None
+
+
+def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
+    """`load_dataset` on local files (builder chosen by extension) or a hub dataset name.
+
+    Non-streaming downloads and prepares the whole split (Arrow files, memory-mapped); for
+    hub datasets larger than the local disk use data.streaming=true.
+    """
+    if not cfg.path:
+        raise config_error("data.path is required with data=hf (a hub dataset name or local "
+                           "files)")
+    files = resolve_local_files(cfg.path)
+    if files is not None:
+        builders = sorted({_builder_for(f) for f in files})
+        if len(builders) > 1:
+            raise config_error(
+                f"data.path={cfg.path!r} mixes file types ({', '.join(builders)}); "
+                "use files of one type")
+        # One .txt file is one document (like the embedded corpus), not one line.
+        extra = {"sample_by": "document"} if builders[0] == "text" else {}
+        try:
+            return datasets.load_dataset(
+                builders[0], data_files={cfg.split: files}, split=cfg.split,
+                streaming=cfg.streaming, cache_dir=cfg.cache_dir, **extra)
+        except Exception as e:
+            raise config_error(
+                f"data.path={cfg.path!r} could not be read as {builders[0]} ({one_line(e)}); "
+                "fix or convert the files") from None
+    try:
+        return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split,
+                                     streaming=cfg.streaming, cache_dir=cfg.cache_dir)
+    except Exception as e:
+        raise config_error(
+            f"data.path={cfg.path!r} is not a local path and could not be loaded from the hub "
+            f"({one_line(e)}); check the name, data.subset, data.split, network or HF_TOKEN"
+        ) from None
+
+
+def check_text_field(ds, cfg: DataConfig) -> None:
+    """Fail early, naming the columns that exist, when data.text_field is not one of them."""
+    columns = ds.column_names
+    if columns is None:  # streaming without known features: look at the first row
+        first = next(iter(ds), None)
+        columns = [] if first is None else list(first)
+    if cfg.text_field not in columns:
+        raise config_error(
+            f"data.text_field={cfg.text_field!r} is not a column of the dataset; available: "
+            f"{', '.join(columns) or '(none: the dataset is empty)'}; set data.text_field")

@@ -1,0 +1,130 @@
+"""Tokenizers: the built-in byte-level one and a thin wrapper around `AutoTokenizer`.
+
+Both expose the same small surface (`vocab_size`, `bos_id`, `eos_id`, `encode`, `decode`,
+`encode_batch`, `fingerprint`) so packing code never asks which one it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from data.config import DataConfig
+
+
+def config_error(msg: str) -> Exception:
+    # Imported here, not at the top: config.py imports data.config while it is being
+    # initialized, so a module-level `from config import ConfigError` would be circular.
+    from config import ConfigError
+
+    return ConfigError(msg)
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, short enough for a one-line ConfigError."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 = BOS, 257 = EOS (vocab_size 258, the tiny model's)."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+    fingerprint = "byte-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def decode(self, ids) -> str:
+        """Special ids are dropped (they are not bytes); invalid UTF-8 becomes U+FFFD."""
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """`transformers.AutoTokenizer` behind the ByteTokenizer surface.
+
+    Documents are encoded without the tokenizer's own special tokens; packing adds BOS (if the
+    tokenizer has one) and EOS around every document itself, the same way for every tokenizer.
+    """
+
+    def __init__(self, name_or_path: str):
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(name_or_path)
+        except Exception as e:  # OSError, ValueError, HFValidationError, ...: all mean "unusable"
+            raise config_error(
+                f"data.tokenizer={name_or_path!r} cannot be loaded ({one_line(e)}); set "
+                "data.tokenizer=byte or a tokenizer name / local directory with tokenizer files"
+            ) from None
+        if tok.eos_token_id is None:
+            raise config_error(
+                f"data.tokenizer={name_or_path!r} has no EOS token, which separates packed "
+                "documents; use a tokenizer that defines eos_token")
+        # Documents are longer than the model's context; packing cuts them, so silence
+        # transformers' "sequence length is longer than the maximum" warning.
+        tok.model_max_length = 1 << 62
+        self._tok = tok
+        self.name = name_or_path
+        # len() counts added special tokens; tok.vocab_size does not.
+        self.vocab_size = len(tok)
+        self.eos_id = int(tok.eos_token_id)
+        self.bos_id = None if tok.bos_token_id is None else int(tok.bos_token_id)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the vocabulary and merges, to key caches of tokenized data."""
+        h = hashlib.sha256(type(self._tok).__name__.encode())
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is not None:
+            h.update(backend.to_str().encode())
+        else:  # slow tokenizer: the vocabulary is the best identity we have
+            h.update(repr(sorted(self._tok.get_vocab().items())).encode())
+        h.update(repr((self.bos_id, self.eos_id, self.vocab_size)).encode())
+        return "hf-" + h.hexdigest()[:16]
+
+    # split_special_tokens: a document that contains the text "<|end_of_text|>" must not
+    # inject a real EOS (or any other control token) into the packed stream.
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._tok(texts, add_special_tokens=False, split_special_tokens=True,
+                         return_attention_mask=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def build_tokenizer(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
+    """data.tokenizer == "byte" -> ByteTokenizer, else AutoTokenizer from a name or local path."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    if not cfg.tokenizer:
+        raise config_error("data.tokenizer is empty; set data.tokenizer=byte or a tokenizer name")
+    return HFTokenizer(cfg.tokenizer)
+
+
+def token_dtype(tok) -> np.dtype:
+    """Smallest unsigned dtype holding every id: uint16 up to 65536 ids, else uint32."""
+    return np.dtype(np.uint16) if tok.vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def documents_to_ids(tok, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    """Each document as [BOS] + tokens + [EOS] (BOS only if the tokenizer has one)."""
+    head = [] if tok.bos_id is None else [tok.bos_id]
+    out = []
+    for ids in tok.encode_batch(texts):
+        doc = np.empty(len(head) + len(ids) + 1, dtype=dtype)
+        doc[: len(head)] = head
+        doc[len(head) : -1] = ids
+        doc[-1] = tok.eos_id
+        out.append(doc)
+    return out
