@@ -1,0 +1,184 @@
+"""TransformerEngine Llama: the same model as model/llama.py, built from TE's fused modules.
+
+Each block is one `te.TransformerLayer` (RMSNorm fused into the QKV and fc1 GEMMs, SwiGLU,
+fused RoPE, cuDNN/flash attention). Its parameter names and shapes equal the reference's
+(model/llama.py docstring), so both load the same checkpoints and `init_weights` gives both the
+same values; TE adds only `_extra_state` entries (quantization state) to the state dict.
+
+What the TE names mean, checked against TE 2.20's source:
+- `fuse_qkv_params=False` registers Q, K and V as `layernorm_qkv.{query,key,value}_weight`
+  (LayerNormLinear `parameters_split`) and forces the non-interleaved QKV layout; under TP each
+  of the three is split by heads on its own, so their global layout does not depend on TP.
+- `swiglu` applies silu to the first half of fc1's output: fc1 rows are [gate; up]. Under TP a
+  rank holds [gate_r; up_r], which is not a contiguous slice of the global [gate; up]: the
+  tensor-parallel plan (parallel/) must map between the two.
+- RoPE: `rotary_pos_emb` of shape (s, 1, 1, head_dim) holding [theta, theta] is TE's
+  non-interleaved (rotate-half) format, which `model.rope.rope_freqs` produces.
+- Meta-device construction: TE defers its own init only when `device` is the *string* "meta"
+  (it tests `device == "meta"`), so the constructor passes that string.
+
+Quantized parameters (te.quantized_model_init, the recipe's quantized_init) cannot be built
+for these blocks: TE 2.20 refuses to split one quantized QKV buffer into Q, K and V
+("Splitting QuantizedTensor into multiple params is not supported"). Blocks in `bf16_layers`,
+the final norm and the head are always built with quantized init turned off.
+
+Sequence parallel needs TE's "sbhd" activation layout (TE gathers and scatters along the first
+dimension), so with `sequence_parallel=True` the blocks run on (seq, batch, dim) tensors. The
+parallel plan then splits the embedding output along the sequence (dim 1 of its (B, S, D)
+output) and gathers the final norm's output (dim 1) before the head; this module does no
+communication itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+import transformer_engine.pytorch as te
+from torch import nn
+
+try:  # TE >= 2.8 keeps the global quantization state in `quantization`.
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+except ImportError:  # pragma: no cover
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+from config import ConfigError
+from model.config import ModelConfig
+from model.rope import rope_freqs
+
+#: fp8_context(quantized) -> context manager. Called around every block and around the head.
+Fp8Context = Callable[[bool], AbstractContextManager]
+
+
+def default_fp8_context(quantized: bool) -> AbstractContextManager:
+    """Quantized parts run in the caller's context; the others, when the caller is inside an
+    enabled te.autocast, turn quantization off (same recipe object: TE keys state on it)."""
+    if quantized or not FP8GlobalStateManager.is_fp8_enabled():
+        return nullcontext()
+    return te.autocast(enabled=False, recipe=FP8GlobalStateManager.get_fp8_recipe())
+
+
+def _high_precision_init(high_precision: bool) -> AbstractContextManager:
+    """Modules built inside keep high-precision weights even when the caller wraps the whole
+    construction in te.quantized_model_init (the recipe's quantized_init)."""
+    if not high_precision or not FP8GlobalStateManager.with_fp8_parameters():
+        return nullcontext()
+    return te.quantized_model_init(enabled=False, recipe=FP8GlobalStateManager.get_fp8_recipe())
+
+
+def resolve_layer_ids(layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    """Block indices with negatives counted from the end, e.g. (0, -1) -> (0, n_layers - 1)."""
+    ids = set()
+    for i in layers:
+        if not -n_layers <= i < n_layers:
+            raise ConfigError(
+                f"recipe.bf16_layers has {i}, outside the model's {n_layers} blocks; "
+                f"use indices in [-{n_layers}, {n_layers - 1}]"
+            )
+        ids.add(i % n_layers)
+    return tuple(sorted(ids))
+
+
+class TELlama(nn.Module):
+    """Decoder-only Llama on TE. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab).
+
+    tp_group / tp_size / sequence_parallel: TE's native tensor parallelism inside the blocks
+    (QKV and fc1 column-parallel, proj and fc2 row-parallel). The embedding, final norm and
+    head are left whole; parallel/ decides how to shard them.
+    bf16_layers: block indices (negative from the end) that run without quantization; the
+    output head never runs quantized. See `forward`.
+    device: None uses the current default device (so `with torch.device("meta"):` works);
+    a CPU default becomes the current CUDA device, since TE modules live on CUDA.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        bf16_layers: Sequence[int] = (),
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "cpu":
+            device = torch.device("cuda", torch.cuda.current_device())
+        # TE compares `device == "meta"` to defer its init; a torch.device would not match.
+        te_device = "meta" if device.type == "meta" else device
+        if tp_group is not None:
+            tp_size = torch.distributed.get_world_size(tp_group)
+        self.tp_size = tp_size
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.bf16_layer_ids = resolve_layer_ids(bf16_layers, cfg.n_layers)
+        self.attn_input_format = "sbhd" if self.sequence_parallel else "bshd"
+
+        v = cfg.padded_vocab_size
+        self.embed = nn.Embedding(v, cfg.dim, device=device, dtype=params_dtype)
+        layer_kwargs = dict(
+            hidden_size=cfg.dim,
+            ffn_hidden_size=cfg.ffn_dim,
+            num_attention_heads=cfg.n_heads,
+            num_gqa_groups=cfg.n_kv_heads,
+            kv_channels=cfg.head_dim,
+            layernorm_epsilon=cfg.norm_eps,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            self_attn_mask_type="causal",
+            normalization="RMSNorm",
+            activation="swiglu",
+            bias=False,
+            fuse_qkv_params=False,
+            attn_input_format=self.attn_input_format,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            set_parallel_mode=tp_size > 1,
+            sequence_parallel=self.sequence_parallel,
+            params_dtype=params_dtype,
+            device=te_device,
+        )
+        self.layers = nn.ModuleList()
+        for i in range(cfg.n_layers):
+            with _high_precision_init(i in self.bf16_layer_ids):
+                self.layers.append(te.TransformerLayer(layer_number=i + 1, **layer_kwargs))
+        with _high_precision_init(True):
+            self.norm = te.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=params_dtype, device=te_device)
+            self.lm_head = None
+            if not cfg.tie_embeddings:
+                self.lm_head = te.Linear(
+                    cfg.dim, v, bias=False, params_dtype=params_dtype, device=te_device
+                )
+        freqs = rope_freqs(cfg, cfg.max_seq_len, device=device)
+        self.register_buffer("freqs", freqs, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers after meta-device construction + to_empty."""
+        self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
+
+    def forward(self, tokens: torch.Tensor, fp8_context: Fp8Context | None = None) -> torch.Tensor:
+        """fp8_context(quantized: bool) returns the context to run one part in: called with
+        True for the blocks to quantize, False for the blocks in `bf16_layer_ids` and for the
+        final norm + head. The recipe module passes e.g.
+        `lambda q: te.autocast(enabled=q, recipe=fp8_recipe)`. Default: `default_fp8_context`.
+        """
+        ctx = fp8_context or default_fp8_context
+        x = self.embed(tokens)
+        seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+        freqs = self.freqs[:seq]
+        if self.attn_input_format == "sbhd":
+            x = x.transpose(0, 1).contiguous()
+        for i, layer in enumerate(self.layers):
+            with ctx(i not in self.bf16_layer_ids):
+                x = layer(x, rotary_pos_emb=freqs)
+        if self.attn_input_format == "sbhd":
+            x = x.transpose(0, 1).contiguous()
+        with ctx(False):
+            x = self.norm(x)
+            if self.lm_head is None:
+                return F.linear(x, self.embed.weight)
+            return self.lm_head(x)
