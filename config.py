@@ -136,8 +136,7 @@ def validate(cfg: Config) -> None:
     _require(o.name == "adamw", f"optim.name={o.name!r} is not supported; use adamw")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    _require(0 <= o.warmup_steps < t.steps,
-             f"optim.warmup_steps={o.warmup_steps} must be in [0, train.steps={t.steps})")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
     _require(o.eps > 0, f"optim.eps={o.eps} must be > 0")

@@ -30,6 +30,7 @@ from data import build_loader, build_tokenizer
 from logger import MetricsLogger
 from model import build_model, init_weights, resolve_impl, te_available
 from model.flops import flops_per_token, peak_tflops
+from model.memory import parameter_storage
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from parallel import ParallelDims, parallelize
 from recipes import build_recipe, check_recipe
@@ -85,6 +86,9 @@ class StopSignal:
 
 
 def run(cfg: Config) -> int:
+    # Installed first so a stop signal during setup is not fatal; without checkpoints a stop
+    # signal keeps its default meaning (terminate).
+    stop = StopSignal() if cfg.checkpoint.mode != "none" else None
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(cfg.train.device)
@@ -118,11 +122,16 @@ def run(cfg: Config) -> int:
     model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=device.type == "cuda")
 
     # 5. Materialize and initialize from the seed: same weights for every impl and layout.
+    #    Quantized parameters are cast from those values afterwards, with per-tensor amax
+    #    reduced over exactly the ranks that hold pieces of each weight (never dp_replicate).
     model.to_empty(device=device)
     model.reset_buffers()
     init_weights(model, cfg.model, cfg.train.seed)
+    weight_amax_group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
+    recipe.quantize_weights(model, weight_amax_group)
 
-    # 6. Optimizer and schedule (TE: FusedAdam, with fp32 masters for quantized params).
+    # 6. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
+    #    seeded from the exact pre-quantization values).
     optimizer = build_optimizer(model, cfg.optim, impl, recipe.fused_adam_kwargs())
     recipe.seed_master_weights(model, optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -147,12 +156,14 @@ def run(cfg: Config) -> int:
                            tags=[cfg.model.name, cfg.recipe.name, cfg.parallel.name])
     train_state.wandb_run_id = logger.start(start_step, train_state.wandb_run_id)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M recipe={recipe.name} "
+    param_bytes, param_local_numel = parameter_storage(model)  # this rank's share, as stored
+    logger.info(f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
+                f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
                 f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
                 f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else ""))
 
     # 9. Train.
-    stop = StopSignal()
+
     seq_len = cfg.data.seq_len
     tokens_per_step = cfg.train.global_batch_size * seq_len
     flops_tok = flops_per_token(cfg.model, seq_len)
@@ -160,19 +171,23 @@ def run(cfg: Config) -> int:
                                      if device.type == "cuda" else None)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())
-    amax_group = dims.weight_shard_group
     t_last, step_last = time.perf_counter(), start_step
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
         batch = loader.next_batch().to(device, non_blocking=True)
         step_loss = torch.zeros((), device=device)
         for micro in batch.chunk(grad_accum):
-            with autocast, recipe.autocast(amax_group=amax_group):
+            with autocast, recipe.autocast():
                 logits = model(micro[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+            # Padding columns of the vocabulary are never targets and take no probability.
+            logits = logits[..., : cfg.model.vocab_size].float()
+            loss = F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten())
             (loss / grad_accum).backward()
             step_loss += loss.detach() / grad_accum
         grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip)
+        # FSDP2's all-gather hook resets quantized weights' amax group to its shard group;
+        # FusedAdam re-quantizes the updated masters with the group set here.
+        recipe.set_weight_amax_groups(model, weight_amax_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -189,11 +204,12 @@ def run(cfg: Config) -> int:
                           lr=scheduler.get_last_lr()[0], tokens_seen=train_state.tokens_seen,
                           tokens_per_s=tps, tokens_per_s_per_device=tps / world_size,
                           mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
-                          mem_gb=peak_memory_gb(device), **ckpt.stats())
+                          mem_gb=peak_memory_gb(device),
+                          param_bytes_per_param=param_bytes / param_local_numel, **ckpt.stats())
             logger.log(record)
             t_last, step_last = time.perf_counter(), step
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
-            stopping = stop.agreed(device)
+            stopping = stop is not None and stop.agreed(device)
         else:
             stopping = False
 

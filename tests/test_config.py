@@ -83,7 +83,7 @@ BAD = [
     (["recipe=mxfp8"], 1, "recipe=mxfp8 needs"),
     (["model.n_heads=3"], 1, "model.dim=128 must be divisible by model.n_heads=3"),
     (["model.n_kv_heads=3"], 1, "model.n_heads=4 must be divisible by model.n_kv_heads=3"),
-    (["optim.warmup_steps=300"], 1, "optim.warmup_steps=300 must be in [0, train.steps=300)"),
+    (["optim.warmup_steps=-5"], 1, "optim.warmup_steps=-5 must be >= 0"),
     (["checkpoint.mode=sometimes"], 1, "checkpoint.mode='sometimes' is not one of"),
     (["logger.wandb.mode=maybe"], 1, "logger.wandb.mode='maybe' is not one of"),
     (["data=hf"], 1, "data.path is required with data=hf"),
