@@ -47,6 +47,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
     validate(cfg)
     dims = ParallelDims(cfg.parallel, world_size)
     dims.validate_model(cfg.model)
+    dims.validate_seq_len(cfg.data.seq_len)
     grad_accum = validate_batch(cfg, dims.dp_size)
     impl = resolve_impl(cfg.model.impl)
     if impl == "te" and not te_available():

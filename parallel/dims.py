@@ -1,0 +1,196 @@
+"""The one mesh object (ARCHITECTURE.md decision 3): degrees, validation, DeviceMesh, groups.
+
+Rank layout: the mesh is ("dp_replicate", "dp_shard", "tp") in row-major order, so tp is the
+fastest-varying dim (tp ranks are neighbours, i.e. inside one node) and
+
+    rank = (replicate_idx * dp_shard + shard_idx) * tp + tp_idx
+    dp_rank = rank // tp,  tp_rank = rank % tp
+
+Views derived from it (nothing else in the repo builds process groups):
+
+    fsdp mesh           ("dp_replicate", "dp_shard"), or ("dp_shard",) when dp_replicate == 1
+    tp mesh             ("tp",)
+    dp group            dp_replicate x dp_shard flattened: data loading, loss/token reduction
+    weight_shard group  dp_shard x tp flattened: the ranks that hold pieces of one weight, the
+                        amax-reduction group of per-tensor-scaled recipes (never dp_replicate,
+                        whose ranks hold identical copies)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from model.config import ModelConfig
+from parallel.config import ParallelConfig
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
+
+
+def _fail(msg: str):
+    # Imported late: config.py imports parallel.config, which runs this package's __init__.
+    from config import ConfigError
+
+    raise ConfigError(msg)
+
+
+def dtype_of(name: str, field: str) -> torch.dtype:
+    if name not in DTYPES:
+        _fail(f"parallel.{field}={name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class ParallelDims:
+    """Resolved degrees of a layout on `world_size` ranks. Construction validates them."""
+
+    def __init__(self, cfg: ParallelConfig, world_size: int):
+        self.cfg = cfg
+        self.world_size = world_size
+        self.dp_replicate, self.dp_shard, self.tp = self._resolve(cfg, world_size)
+        self.mesh = None
+        self.dp_mesh = None
+        self.weight_shard_mesh = None
+        self._dp_group = None
+        self._weight_shard_group = None
+
+    @staticmethod
+    def _resolve(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
+        if cfg.name not in LAYOUTS:
+            _fail(f"parallel.name={cfg.name!r} is not one of {', '.join(LAYOUTS)}")
+        if cfg.cp != 1:
+            _fail(f"parallel.cp={cfg.cp} is reserved (context parallelism is not implemented); "
+                  "set parallel.cp=1")
+        degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp}
+        for name, d in degrees.items():
+            if d == 0 or d < -1:
+                _fail(f"parallel.{name}={d} must be a positive degree or -1 (infer)")
+        inferred = [n for n, d in degrees.items() if d == -1]
+        if len(inferred) > 1:
+            _fail(f"parallel.{' and parallel.'.join(inferred)} are all -1; at most one degree "
+                  "may be inferred, set the others")
+        known = 1
+        for d in degrees.values():
+            known *= d if d != -1 else 1
+        if inferred:
+            if world_size % known:
+                fixed = " x ".join(f"parallel.{n}={d}" for n, d in degrees.items() if d != -1)
+                _fail(f"{fixed} = {known} does not divide the world size {world_size}, "
+                      f"so parallel.{inferred[0]}=-1 cannot be inferred; change them or launch a "
+                      f"multiple of {known} processes")
+            degrees[inferred[0]] = world_size // known
+        product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
+        if product != world_size:
+            _fail(f"parallel.dp_replicate={degrees['dp_replicate']} x "
+                  f"parallel.dp_shard={degrees['dp_shard']} x parallel.tp={degrees['tp']} = "
+                  f"{product} != world size {world_size}; set one of them to -1 or launch "
+                  f"{product} processes")
+        if cfg.name.startswith("hsdp") and degrees["dp_replicate"] < 2:
+            _fail(f"parallel.dp_replicate={degrees['dp_replicate']} with parallel={cfg.name}: "
+                  "HSDP needs dp_replicate > 1; raise it or use parallel=fsdp")
+        dtype_of(cfg.param_dtype, "param_dtype")
+        dtype_of(cfg.reduce_dtype, "reduce_dtype")
+        return degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"]
+
+    def validate_model(self, mcfg: ModelConfig) -> None:
+        """Tensor parallelism splits heads, KV heads, FFN columns and the (padded) vocabulary."""
+        tp = self.tp
+        if tp == 1:
+            return
+        for field, value in (("n_heads", mcfg.n_heads), ("n_kv_heads", mcfg.n_kv_heads),
+                             ("ffn_dim", mcfg.ffn_dim)):
+            if value % tp:
+                _fail(f"model.{field}={value} is not divisible by parallel.tp={tp}; "
+                      f"pick a tp that divides it")
+        if mcfg.padded_vocab_size % tp:
+            _fail(f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
+                  f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
+                  f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
+                  f"of {tp}")
+
+    def validate_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
+        """Sequence parallelism splits each sequence over the tp ranks."""
+        if self.tp > 1 and self.cfg.sequence_parallel and seq_len % self.tp:
+            _fail(f"{field}={seq_len} is not divisible by parallel.tp={self.tp}, which sequence "
+                  f"parallelism needs; change it or set parallel.sequence_parallel=false")
+
+    # ---- sizes and coordinates (valid before build_mesh; rank from the process group) ----
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel index: the tp ranks of one data-parallel group share it (same samples)."""
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    # ---- mesh and groups ----
+
+    def build_mesh(self, device_type: str):
+        """Builds the 3-D DeviceMesh and its flattened views. Needs a process group when
+        world_size > 1; a single process without one gets no mesh (everything stays local)."""
+        if not dist.is_initialized():
+            if self.world_size > 1:
+                raise RuntimeError("build_mesh: world_size > 1 needs torch.distributed initialized")
+            return None
+        if dist.get_world_size() != self.world_size:
+            _fail(f"ParallelDims was built for {self.world_size} ranks but the process group has "
+                  f"{dist.get_world_size()}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=DIM_NAMES)
+        # Keep the flattened views: slicing them back out of the root mesh is deprecated.
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.weight_shard_mesh = mesh["dp_shard", "tp"]._flatten("weight_shard")
+        self.mesh = mesh
+        self._dp_group = self.dp_mesh.get_group()
+        self._weight_shard_group = self.weight_shard_mesh.get_group()
+        return mesh
+
+    @property
+    def fsdp_mesh(self):
+        """Mesh handed to fully_shard: 2-D (replicate, shard) for HSDP/DDP, 1-D otherwise."""
+        if self.mesh is None:
+            return None
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self):
+        return None if self.mesh is None else self.mesh["tp"]
+
+    @property
+    def dp_group(self):
+        return self._dp_group
+
+    @property
+    def tp_group(self):
+        return None if self.mesh is None else self.mesh["tp"].get_group()
+
+    @property
+    def weight_shard_group(self):
+        return self._weight_shard_group
+
+    def __repr__(self) -> str:
+        return (f"ParallelDims({self.cfg.name}: dp_replicate={self.dp_replicate}, "
+                f"dp_shard={self.dp_shard}, tp={self.tp}, world_size={self.world_size})")

@@ -1,0 +1,54 @@
+"""FSDP2 (fully_shard) units for both Llama implementations.
+
+Units, innermost first (fully_shard must be applied bottom-up):
+
+    layers.<i>                 one unit per transformer block
+    embed                      its own unit, only when the output head is untied
+    root                       norm, lm_head, and embed when tied
+
+Why the embedding and the head sit in the root when tied: the head weight *is*
+embed.weight, read by the root's forward after the blocks. A separate embed unit would
+reshard that weight right after the embedding lookup, and the head would then see a shard.
+The root unit stays gathered for the whole forward. The untied head is in the root too
+because the reference model reads `lm_head.weight` in its own forward instead of calling the
+module, so a separate lm_head unit would never be gathered by a forward hook.
+
+Mesh: 1-D ("dp_shard",) gives FSDP; 2-D ("dp_replicate", "dp_shard") gives HSDP, and with
+dp_shard == 1 plain replication (DDP: all-reduce, every rank holds full weights). Parameters
+that tensor parallelism already made DTensors on the tp mesh are sharded further by FSDP2
+on the same root mesh (2-D FSDP x TP; strided when both shard dim 0). Exception: fc1 under
+TP is sharded by FSDP along dim 1 (parallel/tp.py `fsdp_shard_placement` says why).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from parallel.config import ParallelConfig
+from parallel.dims import ParallelDims, dtype_of
+from parallel.tp import fsdp_shard_placement
+
+
+def mp_policy(pcfg: ParallelConfig, mixed_precision: bool) -> MixedPrecisionPolicy:
+    if not mixed_precision:
+        # Parameters are fp32 (CPU runs): gather and reduce them as they are.
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype_of(pcfg.param_dtype, "param_dtype"),
+                                reduce_dtype=dtype_of(pcfg.reduce_dtype, "reduce_dtype"))
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *,
+               mixed_precision: bool) -> nn.Module:
+    mesh = dims.fsdp_mesh
+    policy = mp_policy(pcfg, mixed_precision)
+    common = {"mesh": mesh, "mp_policy": policy}
+    if dims.tp_enabled:
+        common["shard_placement_fn"] = fsdp_shard_placement
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=pcfg.reshard_after_forward, **common)
+    if getattr(model, "lm_head", None) is not None:
+        fully_shard(model.embed, reshard_after_forward=pcfg.reshard_after_forward, **common)
+    # The root is needed again right at the start of backward: never reshard it after forward.
+    fully_shard(model, reshard_after_forward=False, **common)
+    return model

@@ -1,0 +1,281 @@
+"""GPU parity of the parallel layouts for the TE implementation (launch with torchrun).
+
+    torchrun --nproc_per_node=4 tools/gpu_parallel_check.py              # every layout that fits
+    torchrun --nproc_per_node=2 tools/gpu_parallel_check.py --layouts fsdp,tp --recipes bf16
+    torchrun --nproc_per_node=4 tools/gpu_parallel_check.py --json out.json
+
+For each layout (fsdp, hsdp, ddp, tp, fsdp_tp, hsdp_tp; those whose degrees fit the GPU count)
+and recipe (bf16, fp8_cs), trains the same small TE Llama for --steps AdamW steps on the same
+global batches as a single-GPU run, exactly the way train.py does (meta device, parallelize,
+init_weights, recipe contexts, FusedAdam, clip_grad_norm), and compares the loss curves. The
+single-GPU reference runs on every rank, without a process group, on the same device.
+
+fp8_cs additionally (--fp8-check, on by default): the model is built with quantized_init,
+weights quantized on their FSDP/TP shards (amax group from recipes), then FSDP2 all-gathers a
+block and every FP8 weight must equal the FP8 quantization of the full weight done on one GPU
+(same bytes once dequantized, same scale). A wrong amax group (shards with their own scales)
+breaks this.
+
+Prints one table on rank 0; exit status 1 if any row fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config import ConfigError, OptimConfig  # noqa: E402
+from model import build_model, init_weights  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.init import full_init_value  # noqa: E402
+from optim import build_optimizer, clip_grad_norm  # noqa: E402
+from parallel import ParallelConfig, ParallelDims, parallelize  # noqa: E402
+from parallel.dcp import local_global_indices  # noqa: E402
+from recipes import build_recipe  # noqa: E402
+from recipes.config import RecipeConfig  # noqa: E402
+
+LAYOUTS = {
+    "fsdp": dict(dp_shard=-1),
+    "hsdp": dict(dp_replicate=2, dp_shard=-1),
+    "ddp": dict(dp_replicate=-1, dp_shard=1),
+    "tp": dict(dp_shard=1, tp=-1),
+    "fsdp_tp": dict(dp_shard=-1, tp=2),
+    "hsdp_tp": dict(dp_replicate=2, dp_shard=-1, tp=2),
+}
+#: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
+#: change the order of bf16 sums (TP partial sums, reduce-scatter) and FP8 scales are per
+#: shard of activations under SP, so the curves agree to rounding, not bitwise.
+STEP1_RTOL = {"bf16": 5e-3, "fp8_cs": 1e-2}
+CURVE_RTOL = {"bf16": 2e-2, "fp8_cs": 3e-2}
+SEED = 1234
+
+
+def model_cfg() -> ModelConfig:
+    # Every local GEMM dim stays a multiple of 16 (FP8) up to tp=4.
+    return ModelConfig(name="check", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                       vocab_size=1000, pad_vocab_multiple=128, max_seq_len=256)
+
+
+def batches(cfg: ModelConfig, steps: int, global_batch: int, seq: int) -> torch.Tensor:
+    """Learnable sequences (arithmetic progressions mod vocab with random start and stride), so
+    the loss falls steeply and a wrong gradient shows in the curve, not only in step 1."""
+    g = torch.Generator().manual_seed(SEED)
+    start = torch.randint(0, cfg.vocab_size, (steps, global_batch, 1), generator=g)
+    stride = torch.randint(1, 8, (steps, global_batch, 1), generator=g)
+    return (start + stride * torch.arange(seq + 1)) % cfg.vocab_size
+
+
+def build(cfg, recipe, dims, pcfg, device):
+    te_kwargs = {}
+    if dims is not None and dims.mesh is not None:
+        te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
+                         sequence_parallel=pcfg.sequence_parallel and dims.tp > 1)
+    te_kwargs["bf16_layers"] = tuple(sorted(recipe.bf16_layer_ids))
+    with torch.device("meta"), recipe.quantized_init_context():
+        model = build_model(cfg, "te", **te_kwargs)
+    if dims is not None:
+        model = parallelize(model, dims, pcfg, "te", mixed_precision=True)
+    model.to_empty(device=device)
+    model.reset_buffers()
+    init_weights(model, cfg, SEED)
+    group = None
+    if dims is not None and dims.mesh is not None:
+        group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
+    recipe.quantize_weights(model, group)
+    recipe.set_weight_amax_groups(model, group)
+    return model, group
+
+
+def train_curve(cfg, recipe_name, dims, pcfg, device, data, lr) -> list[float]:
+    recipe = build_recipe(RecipeConfig(name=recipe_name), cfg.n_layers)
+    model, group = build(cfg, recipe, dims, pcfg, device)
+    opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.1), "te",
+                          recipe.fused_adam_kwargs())
+    dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
+    per_rank = data.shape[1] // dp_size
+    losses = []
+    for step in range(data.shape[0]):
+        seq = data[step, dp_rank * per_rank:(dp_rank + 1) * per_rank].to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16), recipe.autocast():
+            logits = model(seq[:, :-1])
+        logits = logits[..., :cfg.vocab_size].float()
+        loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+        loss.backward()
+        clip_grad_norm(model.parameters(), 1.0)
+        recipe.set_weight_amax_groups(model, group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        logged = loss.detach()
+        if dims is not None and dims.dp_group is not None:
+            dist.all_reduce(logged, group=dims.dp_group)
+            logged = logged / dims.dp_size
+        losses.append(logged.item())
+    del model, opt
+    torch.cuda.empty_cache()
+    return losses
+
+
+def _module_weight_quantizer(module, pname):
+    index = module.param_init_meta[pname].fp8_meta_index
+    return module.quantizers["scaling_fwd"][index]
+
+
+@torch.no_grad()
+def fp8_allgather_check(cfg, dims, pcfg, device) -> list[dict]:
+    """After FSDP2 all-gathers block 0 from its FP8 shards, each FP8 weight equals the FP8
+    cast of the full weight on one GPU."""
+    recipe = build_recipe(RecipeConfig(name="fp8_cs", quantized_init=True), cfg.n_layers)
+    model, _ = build(cfg, recipe, dims, pcfg, device)
+    # One forward runs FSDP2's lazy init, which adopts the parameters quantize_weights swapped in.
+    tokens = torch.zeros(max(1, dims.tp), 16 * dims.tp, dtype=torch.long, device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16), recipe.autocast():
+        model(tokens)
+    block = model.layers[0]
+    block.unshard()
+    rows = []
+    for mod_name, pname in (("self_attention.layernorm_qkv", "query_weight"),
+                            ("self_attention.proj", "weight"),
+                            ("layernorm_mlp", "fc1_weight"), ("layernorm_mlp", "fc2_weight")):
+        module = block.get_submodule(mod_name)
+        p = getattr(module, pname)  # unsharded: FP8 tensor, or a tp DTensor of one
+        is_dt = hasattr(p, "device_mesh")
+        local = p._local_tensor if is_dt else p
+        full = full_init_value(cfg, f"layers.0.{mod_name}.{pname}", p.shape, SEED, device)
+        quantizer = _module_weight_quantizer(module, pname)
+        ref_q = quantizer.copy() if hasattr(quantizer, "copy") else copy.copy(quantizer)
+        ref_q.internal = False  # a full tensor with dequantize(), not internal storage
+        if hasattr(ref_q, "with_amax_reduction"):
+            ref_q.with_amax_reduction, ref_q.amax_reduction_group = False, None
+        ref = ref_q(full)
+        want = ref.dequantize(dtype=torch.float32)
+        if is_dt:
+            i0, i1 = local_global_indices(p)
+            want = want[i0.to(device)][:, i1.to(device)]
+        got = local.dequantize(dtype=torch.float32) if hasattr(local, "dequantize") else None
+        row = {"weight": f"layers.0.{mod_name}.{pname}", "fp8": got is not None}
+        if got is not None:
+            row["max_abs_diff"] = (got - want).abs().max().item()
+            row["equal"] = bool(torch.equal(got, want))
+            row["scale_equal"] = bool(torch.equal(local._scale_inv.float(),
+                                                  ref._scale_inv.float()))
+        row["ok"] = bool(row.get("equal") and row.get("scale_equal"))
+        rows.append(row)
+    block.reshard()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--recipes", default="bf16,fp8_cs")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--no-fp8-check", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here (rank 0)")
+    args = ap.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = model_cfg()
+    data = batches(cfg, args.steps, args.global_batch, args.seq_len)
+    recipes = args.recipes.split(",")
+
+    refs = {r: train_curve(cfg, r, None, None, device, data, args.lr) for r in recipes}
+    results = {"world_size": world, "gpu": torch.cuda.get_device_name(device), "curves": [],
+               "fp8_allgather": [], "reference": refs}
+    for name in args.layouts.split(","):
+        pcfg = ParallelConfig(name=name, sequence_parallel=not args.no_sequence_parallel,
+                              **LAYOUTS[name])
+        try:
+            dims = ParallelDims(pcfg, world)
+            dims.validate_model(cfg)
+        except ConfigError as e:
+            results["curves"].append({"layout": name, "skipped": str(e)})
+            continue
+        dims.build_mesh("cuda")
+        degrees = f"{dims.dp_replicate}x{dims.dp_shard}x{dims.tp}"
+        for r in recipes:
+            row = {"layout": name, "degrees": degrees, "recipe": r}
+            t0 = time.time()
+            try:
+                got = train_curve(cfg, r, dims, pcfg, device, data, args.lr)
+                rel = [abs(a - b) / abs(b) for a, b in zip(got, refs[r])]
+                row.update(losses=got, step1_rel=rel[0], max_rel=max(rel),
+                           max_abs=max(abs(a - b) for a, b in zip(got, refs[r])),
+                           ok=rel[0] <= STEP1_RTOL[r] and max(rel) <= CURVE_RTOL[r])
+            except Exception:
+                row.update(ok=False, error=traceback.format_exc(limit=3).strip().splitlines()[-1])
+                if rank == 0:
+                    traceback.print_exc()
+            row["seconds"] = round(time.time() - t0, 1)
+            results["curves"].append(row)
+        if "fp8_cs" in recipes and not args.no_fp8_check:
+            try:
+                for row in fp8_allgather_check(cfg, dims, pcfg, device):
+                    results["fp8_allgather"].append({"layout": name, "degrees": degrees, **row})
+            except Exception:
+                results["fp8_allgather"].append({"layout": name, "degrees": degrees, "ok": False,
+                                                 "error": traceback.format_exc(limit=3)
+                                                 .strip().splitlines()[-1]})
+                if rank == 0:
+                    traceback.print_exc()
+        dist.barrier()
+
+    ok = all(r.get("ok", True) for r in results["curves"] + results["fp8_allgather"])
+    if rank == 0:
+        print(f"\n{world} x {results['gpu']}, {args.steps} steps, global batch "
+              f"{args.global_batch} x {args.seq_len}, tolerances step-1 {STEP1_RTOL}, "
+              f"curve {CURVE_RTOL} (relative)")
+        print(f"{'layout':9} {'rxsxt':7} {'recipe':7} {'ref loss 1->N':>17} {'loss 1->N':>17} "
+              f"{'step1 rel':>9} {'max rel':>9} {'max abs':>9}  status")
+        for r in results["curves"]:
+            if "skipped" in r:
+                print(f"{r['layout']:9} skipped: {r['skipped']}")
+                continue
+            ref = refs[r["recipe"]]
+            if "error" in r:
+                print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:7} ERROR {r['error']}")
+                continue
+            print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:7} "
+                  f"{ref[0]:8.4f}->{ref[-1]:7.4f} {r['losses'][0]:8.4f}->{r['losses'][-1]:7.4f} "
+                  f"{r['step1_rel']:9.2e} {r['max_rel']:9.2e} {r['max_abs']:9.2e}  "
+                  f"{'ok' if r['ok'] else 'FAIL'}")
+        if results["fp8_allgather"]:
+            print("\nfp8_cs: FSDP2 all-gather of FP8 shards vs FP8 cast of the full weight on one GPU")
+            for r in results["fp8_allgather"]:
+                if "error" in r:
+                    print(f"{r['layout']:9} {r['degrees']:7} ERROR {r['error']}")
+                    continue
+                print(f"{r['layout']:9} {r['degrees']:7} {r['weight']:44} fp8={r['fp8']} "
+                      f"equal={r.get('equal')} scale_equal={r.get('scale_equal')} "
+                      f"max|diff|={r.get('max_abs_diff', float('nan')):.2e}  "
+                      f"{'ok' if r['ok'] else 'FAIL'}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        print("\nALL OK" if ok else "\nSOME CHECKS FAILED")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
