@@ -3,15 +3,17 @@
 Per block i, ours (model/llama.py) under `layers.i.`, HF's under `model.layers.i.`:
 
     self_attention.layernorm_qkv.layer_norm_weight    input_layernorm.weight
-    self_attention.layernorm_qkv.query_weight         self_attn.q_proj.weight
-    self_attention.layernorm_qkv.{key,value}_weight   self_attn.{k,v}_proj.weight
+    self_attention.layernorm_qkv.weight (interleaved) self_attn.{q,k,v}_proj.weight
     self_attention.proj.weight                        self_attn.o_proj.weight
     layernorm_mlp.layer_norm_weight                   post_attention_layernorm.weight
     layernorm_mlp.fc1_weight = [gate; up]             mlp.{gate,up}_proj.weight (concatenated)
     layernorm_mlp.fc2_weight                          mlp.down_proj.weight
 
 plus embed.weight, norm.weight, lm_head.weight <-> model.embed_tokens.weight,
-model.norm.weight, lm_head.weight. Both use rotate-half RoPE, so Q and K need no permutation.
+model.norm.weight, lm_head.weight. Our QKV weight interleaves Q, K and V by KV group
+(model/llama.py `interleave_qkv`); HF's query head h reads KV head h // (n_heads / n_kv_heads),
+the same grouping, so the conversion only regroups rows. Both use rotate-half RoPE, so Q and K
+need no permutation.
 Our embedding and head have `padded_vocab_size` rows, HF's `vocab_size`: export drops the
 padding rows, import fills them with zeros. Tied models have no lm_head.weight on either side
 (HF ties it on load).
@@ -35,17 +37,17 @@ from torch.distributed.tensor import DTensor
 from config import ConfigError
 from model.config import ModelConfig, RopeScalingConfig
 from model.init import canonical_name
+from model.llama import interleave_qkv, split_qkv
 
-# (our suffix, HF suffix) inside one transformer block, excluding the fused fc1.
+# (our suffix, HF suffix) inside one transformer block, excluding the fused QKV and fc1.
 _BLOCK_NAMES = (
     ("self_attention.layernorm_qkv.layer_norm_weight", "input_layernorm.weight"),
-    ("self_attention.layernorm_qkv.query_weight", "self_attn.q_proj.weight"),
-    ("self_attention.layernorm_qkv.key_weight", "self_attn.k_proj.weight"),
-    ("self_attention.layernorm_qkv.value_weight", "self_attn.v_proj.weight"),
     ("self_attention.proj.weight", "self_attn.o_proj.weight"),
     ("layernorm_mlp.layer_norm_weight", "post_attention_layernorm.weight"),
     ("layernorm_mlp.fc2_weight", "mlp.down_proj.weight"),
 )
+_QKV = "self_attention.layernorm_qkv.weight"
+_Q, _K, _V = (f"self_attn.{x}_proj.weight" for x in "qkv")
 _FC1 = "layernorm_mlp.fc1_weight"
 _GATE, _UP = "mlp.gate_proj.weight", "mlp.up_proj.weight"
 
@@ -75,9 +77,7 @@ def _our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     hd, v = cfg.head_dim, cfg.padded_vocab_size
     block = {
         "self_attention.layernorm_qkv.layer_norm_weight": (cfg.dim,),
-        "self_attention.layernorm_qkv.query_weight": (cfg.n_heads * hd, cfg.dim),
-        "self_attention.layernorm_qkv.key_weight": (cfg.n_kv_heads * hd, cfg.dim),
-        "self_attention.layernorm_qkv.value_weight": (cfg.n_kv_heads * hd, cfg.dim),
+        _QKV: ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.dim),
         "self_attention.proj.weight": (cfg.dim, cfg.n_heads * hd),
         "layernorm_mlp.layer_norm_weight": (cfg.dim,),
         _FC1: (2 * cfg.ffn_dim, cfg.dim),
@@ -115,6 +115,8 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         p, hp = f"layers.{i}.", f"model.layers.{i}."
         for ours_name, hf_name in _BLOCK_NAMES:
             out[hp + hf_name] = ours[p + ours_name]
+        q, k, v = split_qkv(ours[p + _QKV], cfg.n_heads, cfg.n_kv_heads)
+        out[hp + _Q], out[hp + _K], out[hp + _V] = q, k, v
         gate, up = ours[p + _FC1].chunk(2, dim=0)
         out[hp + _GATE], out[hp + _UP] = gate, up
     return out
@@ -138,7 +140,7 @@ def from_hf_state_dict(
     for i in range(cfg.n_layers):
         hp = f"model.layers.{i}."
         want.update(hp + hf_name for _, hf_name in _BLOCK_NAMES)
-        want.update((hp + _GATE, hp + _UP))
+        want.update(hp + x for x in (_Q, _K, _V, _GATE, _UP))
     _check_keys(set(hf), want, "HF state dict")
 
     def padded(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -151,6 +153,10 @@ def from_hf_state_dict(
         p, hp = f"layers.{i}.", f"model.layers.{i}."
         for ours_name, hf_name in _BLOCK_NAMES:
             out[p + ours_name] = hf[hp + hf_name]
+        _check_shape(hf[hp + _Q], (cfg.n_heads * cfg.head_dim, cfg.dim), hp + _Q)
+        for name in (_K, _V):
+            _check_shape(hf[hp + name], (cfg.n_kv_heads * cfg.head_dim, cfg.dim), hp + name)
+        out[p + _QKV] = interleave_qkv(hf[hp + _Q], hf[hp + _K], hf[hp + _V], cfg.n_kv_heads)
         out[p + _FC1] = torch.cat([hf[hp + _GATE], hf[hp + _UP]], dim=0)
     out["norm.weight"] = hf["model.norm.weight"]
     if not cfg.tie_embeddings:

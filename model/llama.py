@@ -5,7 +5,7 @@ both produce the same state-dict layout (ARCHITECTURE.md decision 1):
 
     embed.weight                                          (padded_vocab, dim)
     layers.<i>.self_attention.layernorm_qkv.layer_norm_weight   (dim,)
-    layers.<i>.self_attention.layernorm_qkv.{query,key,value}_weight
+    layers.<i>.self_attention.layernorm_qkv.weight        ((n_heads + 2*n_kv_heads) * head_dim, dim)
     layers.<i>.self_attention.proj.weight                 (dim, n_heads * head_dim)
     layers.<i>.layernorm_mlp.layer_norm_weight            (dim,)
     layers.<i>.layernorm_mlp.fc1_weight                   (2 * ffn_dim, dim), rows = [gate; up]
@@ -13,8 +13,13 @@ both produce the same state-dict layout (ARCHITECTURE.md decision 1):
     norm.weight                                           (dim,)
     lm_head.weight                                        (padded_vocab, dim), absent when tied
 
-Q, K and V are separate tensors and fc1 keeps [gate; up] over the full ffn_dim, so no
-tensor's global layout depends on the tensor-parallel degree.
+The fused QKV weight is TE's interleaved layout (fuse_qkv_params=True,
+qkv_weight_interleaved=True): its rows are n_kv_heads groups, one per KV head g, each holding
+g's q_per_kv = n_heads / n_kv_heads query heads, then g's key head, then g's value head
+(`interleave_qkv` builds it from separate Q, K, V). Query head h belongs to group
+h // q_per_kv, as in Hugging Face's GQA. Tensor parallelism splits these rows into contiguous
+blocks of whole groups, and fc1 keeps [gate; up] over the full ffn_dim (its TP plan maps the
+per-rank halves), so no tensor's global layout depends on the tensor-parallel degree.
 """
 
 from __future__ import annotations
@@ -54,40 +59,60 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+def interleave_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_heads: int
+) -> torch.Tensor:
+    """Separate Q (n_heads*hd, ...), K and V (n_kv_heads*hd, ...) -> the fused interleaved
+    tensor: per KV group, its query heads, its key head, its value head (along dim 0)."""
+    rest = q.shape[1:]
+    groups = [t.reshape(n_kv_heads, -1, *rest) for t in (q, k, v)]
+    return torch.cat(groups, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, n_heads: int, n_kv_heads: int):
+    """Inverse of `interleave_qkv`: the fused tensor -> (Q, K, V), each contiguous."""
+    q_per_kv, rest = n_heads // n_kv_heads, qkv.shape[1:]
+    hd = qkv.shape[0] // (n_kv_heads * (q_per_kv + 2))
+    grouped = qkv.reshape(n_kv_heads, q_per_kv + 2, hd, *rest)
+    q, k, v = grouped.split([q_per_kv, 1, 1], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
 class LayerNormQKV(nn.Module):
-    """RMSNorm followed by the Q, K, V projections (TE LayerNormLinear with parameters_split)."""
+    """RMSNorm followed by the fused, interleaved QKV projection (TE LayerNormLinear with one
+    `weight`); forward returns the projection, Attention splits it."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        hd = cfg.head_dim
         self.eps = cfg.norm_eps
         self.layer_norm_weight = nn.Parameter(torch.ones(cfg.dim))
-        self.query_weight = nn.Parameter(torch.empty(cfg.n_heads * hd, cfg.dim))
-        self.key_weight = nn.Parameter(torch.empty(cfg.n_kv_heads * hd, cfg.dim))
-        self.value_weight = nn.Parameter(torch.empty(cfg.n_kv_heads * hd, cfg.dim))
+        rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.weight = nn.Parameter(torch.empty(rows, cfg.dim))
 
     def forward(self, x):
-        h = rms_norm(x, self.layer_norm_weight, self.eps)
-        return F.linear(h, self.query_weight), F.linear(h, self.key_weight), F.linear(h, self.value_weight)
+        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_per_kv, self.head_dim = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         self.layernorm_qkv = LayerNormQKV(cfg)
         self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
 
     def forward(self, x, freqs):
         b, s, _ = x.shape
-        q, k, v = self.layernorm_qkv(x)
-        # Under tensor parallelism the projections hold a slice of the heads; infer it.
-        q = q.view(b, s, -1, self.head_dim)
-        k = k.view(b, s, -1, self.head_dim)
-        v = v.view(b, s, -1, self.head_dim)
+        # (b, s, groups, q_per_kv + 2, head_dim), split as TE does. Under tensor parallelism
+        # the projection holds a contiguous run of whole KV groups: infer how many.
+        qkv = self.layernorm_qkv(x).view(b, s, -1, self.q_per_kv + 2, self.head_dim)
+        q, k, v = qkv.split([self.q_per_kv, 1, 1], dim=3)
+        # Query head index = group * q_per_kv + j, so group g's queries read K/V head g.
+        q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

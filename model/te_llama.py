@@ -6,9 +6,12 @@ fused RoPE, cuDNN/flash attention). Its parameter names and shapes equal the ref
 same values; TE adds only `_extra_state` entries (quantization state) to the state dict.
 
 What the TE names mean, checked against TE 2.20's source:
-- `fuse_qkv_params=False` registers Q, K and V as `layernorm_qkv.{query,key,value}_weight`
-  (LayerNormLinear `parameters_split`) and forces the non-interleaved QKV layout; under TP each
-  of the three is split by heads on its own, so their global layout does not depend on TP.
+- `fuse_qkv_params=True` (with the default `qkv_weight_interleaved=True`) registers one QKV
+  weight, `layernorm_qkv.weight` (LayerNormLinear with `parameters_split=None`; `bias=False`
+  leaves no bias parameter), and MultiheadAttention views its output as
+  (..., kv_groups, q_per_kv + 2, head_dim): per KV group its query heads, key, value. That
+  row layout is model/llama.py's. Under TP each rank's QKV is a contiguous run of whole KV
+  groups, so the global layout does not depend on TP.
 - `swiglu` applies silu to the first half of fc1's output: fc1 rows are [gate; up]. Under TP a
   rank holds [gate_r; up_r], which is not a contiguous slice of the global [gate; up]: the
   tensor-parallel plan (parallel/) must map between the two.
@@ -17,10 +20,13 @@ What the TE names mean, checked against TE 2.20's source:
 - Meta-device construction: TE defers its own init only when `device` is the *string* "meta"
   (it tests `device == "meta"`), so the constructor passes that string.
 
-Quantized parameters (te.quantized_model_init, the recipe's quantized_init) cannot be built
-for these blocks: TE 2.20 refuses to split one quantized QKV buffer into Q, K and V
-("Splitting QuantizedTensor into multiple params is not supported"). Blocks in `bf16_layers`,
-the final norm and the head are always built with quantized init turned off.
+Why one fused, interleaved QKV weight: quantized parameters (te.quantized_model_init, the
+recipe's quantized_init) need each weight to be one whole buffer; with separate Q/K/V TE 2.20
+refuses ("Splitting QuantizedTensor into multiple params is not supported"). Of TE's two fused
+layouts, the interleaved one is the one whose per-rank blocks (whole KV groups) concatenate to
+the same global tensor for every tp; the other stores [Q_r; K_r; V_r] per rank, so the global
+row order would change with tp. Blocks in `bf16_layers`, the final norm and the head are built
+with quantized init turned off.
 
 Sequence parallel needs TE's "sbhd" activation layout (TE gathers and scatters along the first
 dimension), so with `sequence_parallel=True` the blocks run on (seq, batch, dim) tensors. The
@@ -133,7 +139,8 @@ class TELlama(nn.Module):
             normalization="RMSNorm",
             activation="swiglu",
             bias=False,
-            fuse_qkv_params=False,
+            fuse_qkv_params=True,
+            qkv_weight_interleaved=True,
             attn_input_format=self.attn_input_format,
             tp_group=tp_group,
             tp_size=tp_size,

@@ -4,10 +4,14 @@ Placements on the tp mesh (identical for model/llama.py and model/te_llama.py, s
 checkpoint saved by one loads into the other):
 
     embed.weight, lm_head.weight                  Shard(0)   vocab-parallel
-    *.query_weight, *.key_weight, *.value_weight  Shard(0)   column-parallel (heads)
+    *.layernorm_qkv.weight                        Shard(0)   column-parallel (KV groups)
     *.fc1_weight                                  _StridedShard(0, split_factor=2)
     *.proj.weight, *.fc2_weight                   Shard(1)   row-parallel
     *norm weights                                 Replicate
+
+The fused QKV weight's rows are KV groups, each [its query heads; key; value] (model/llama.py),
+so Shard(0) hands rank r the contiguous groups [r*G/tp, (r+1)*G/tp): exactly the heads TE's
+column-parallel QKV computes on rank r (tp divides n_kv_heads, parallel/dims.py checks it).
 
 fc1 holds [gate; up] over the full ffn_dim. A rank must compute a matching slice of both
 halves, so its local rows are [gate_r; up_r]. Plain Shard(0) would hand rank 0 the first
@@ -180,7 +184,7 @@ REPLICATE = Replicate()
 def placement_for(name: str) -> Placement:
     """tp placement of a parameter, from its (canonical) name; the table in the docstring."""
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("query_weight", "key_weight", "value_weight"):
+    if name.endswith("layernorm_qkv.weight"):
         return COLUMN
     if leaf == "fc1_weight":
         return FC1

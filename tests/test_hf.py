@@ -214,6 +214,31 @@ def test_mismatched_state_dict_names_the_problem():
         from_hf_state_dict(hf_sd, bad)
 
 
+def test_qkv_rows_follow_hf_heads():
+    """Our fused QKV, per KV group g: HF's query heads of g (h // q_per_kv == g), then
+    k_proj head g, then v_proj head g."""
+    cfg = tiny_cfg(False)
+    hf_sd = to_hf_state_dict(ours_model(cfg).state_dict(), cfg)
+    hd, q_per_kv = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    qkv = from_hf_state_dict(hf_sd, cfg)["layers.1.self_attention.layernorm_qkv.weight"]
+    groups = qkv.view(cfg.n_kv_heads, (q_per_kv + 2) * hd, cfg.dim)
+    hp = "model.layers.1.self_attn."
+    for g in range(cfg.n_kv_heads):
+        heads = hf_sd[hp + "q_proj.weight"].view(cfg.n_heads, hd, cfg.dim)
+        want = torch.cat([*heads[g * q_per_kv : (g + 1) * q_per_kv],
+                          hf_sd[hp + "k_proj.weight"].view(-1, hd, cfg.dim)[g],
+                          hf_sd[hp + "v_proj.weight"].view(-1, hd, cfg.dim)[g]])
+        assert torch.equal(groups[g], want), g
+
+
+def test_kv_head_mismatch_names_the_projection():
+    cfg = tiny_cfg(False)
+    hf_sd = to_hf_state_dict(ours_model(cfg).state_dict(), cfg)
+    mqa = ModelConfig(**{**cfg.__dict__, "n_kv_heads": 1})
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.k_proj.weight has shape"):
+        from_hf_state_dict(hf_sd, mqa)
+
+
 @pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000], ids=["one-file", "sharded"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_save_load_files(tmp_path, tied, shard_bytes):

@@ -1,13 +1,19 @@
-"""Reference model (model/llama.py): seeded init, meta-device construction, RoPE, causality."""
+"""Reference model (model/llama.py): seeded init, meta-device construction, RoPE, causality,
+the fused interleaved QKV layout."""
+
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model.config import ModelConfig, RopeScalingConfig
 from model.hf import hf_config
-from model.init import init_weights
-from model.llama import Llama
-from model.rope import inv_frequencies
+from model.init import init_std, init_weights
+from model.llama import Llama, interleave_qkv, rms_norm, split_qkv
+from model.rope import apply_rope, inv_frequencies
+
+QKV = "self_attention.layernorm_qkv.weight"
 
 
 def small_cfg(**kw) -> ModelConfig:
@@ -37,10 +43,7 @@ def test_init_is_deterministic_by_seed():
         else:
             assert not torch.equal(a[k], c[k]), k
     # Parameters of the same shape still get different values (per-name seeds).
-    assert not torch.equal(
-        a["layers.0.self_attention.layernorm_qkv.key_weight"],
-        a["layers.0.self_attention.layernorm_qkv.value_weight"],
-    )
+    assert not torch.equal(a[f"layers.0.{QKV}"], a[f"layers.1.{QKV}"])
 
 
 def test_init_std_follows_config():
@@ -52,6 +55,24 @@ def test_init_std_follows_config():
     assert sd["layers.3.self_attention.proj.weight"].std().item() == pytest.approx(
         out_std, rel=0.05
     )
+    # The fused QKV weight is an input projection: plain init_std for Q, K and V alike.
+    q, k, v = split_qkv(sd[f"layers.3.{QKV}"], cfg.n_heads, cfg.n_kv_heads)
+    for t in (q, k, v):
+        assert t.std().item() == pytest.approx(cfg.init_std, rel=0.05)
+
+
+def test_init_std_name_rules():
+    cfg = small_cfg(n_layers=8)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    # "layernorm_qkv.weight" contains "norm" but is neither a norm weight nor an output proj.
+    assert init_std(cfg, f"layers.0.{QKV}") == cfg.init_std
+    assert init_std(cfg, "_orig_mod.layers.7.self_attention.layernorm_qkv.weight") == cfg.init_std
+    assert init_std(cfg, "layers.0.self_attention.layernorm_qkv.layer_norm_weight") is None
+    assert init_std(cfg, "layers.0.layernorm_mlp.layer_norm_weight") is None
+    assert init_std(cfg, "norm.weight") is None
+    assert init_std(cfg, "layers.0.self_attention.proj.weight") == out_std
+    assert init_std(cfg, "layers.0.layernorm_mlp.fc2_weight") == out_std
+    assert init_std(cfg, "layers.0.layernorm_mlp.fc1_weight") == cfg.init_std
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -81,16 +102,9 @@ def test_parameter_names_and_shapes():
     assert v == 384
     assert shapes["embed.weight"] == (v, cfg.dim)
     assert shapes["lm_head.weight"] == (v, cfg.dim)
-    assert shapes["layers.1.self_attention.layernorm_qkv.query_weight"] == (
-        cfg.n_heads * hd,
-        cfg.dim,
-    )
-    assert shapes["layers.1.self_attention.layernorm_qkv.key_weight"] == (
-        cfg.n_kv_heads * hd,
-        cfg.dim,
-    )
+    assert shapes[f"layers.1.{QKV}"] == ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.dim)
     assert shapes["layers.1.layernorm_mlp.fc1_weight"] == (2 * cfg.ffn_dim, cfg.dim)
-    assert len(shapes) == 3 + 8 * cfg.n_layers
+    assert len(shapes) == 3 + 6 * cfg.n_layers
     assert "lm_head.weight" not in Llama(small_cfg(tie_embeddings=True)).state_dict()
 
 
@@ -157,6 +171,95 @@ def test_causal():
     assert (a[:, 25:] - b[:, 25:]).abs().amax(dim=-1).min().item() > 0
 
 
+def interleave_by_loop(q, k, v, n_heads, n_kv_heads):
+    """The layout spelled out row block by row block: for each KV group g, its query heads
+    g*q_per_kv .. (g+1)*q_per_kv - 1, then key head g, then value head g."""
+    hd = k.shape[0] // n_kv_heads
+    q_per_kv = n_heads // n_kv_heads
+    rows = []
+    for g in range(n_kv_heads):
+        for j in range(q_per_kv):
+            h = g * q_per_kv + j
+            rows.append(q[h * hd : (h + 1) * hd])
+        rows.append(k[g * hd : (g + 1) * hd])
+        rows.append(v[g * hd : (g + 1) * hd])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 2), (6, 3), (4, 4), (8, 1)])
+def test_interleave_and_split_qkv(n_heads, n_kv_heads):
+    hd, dim = 3, 5
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n_heads * hd, dim, generator=g)
+    k, v = (torch.randn(n_kv_heads * hd, dim, generator=g) for _ in range(2))
+    fused = interleave_qkv(q, k, v, n_kv_heads)
+    assert torch.equal(fused, interleave_by_loop(q, k, v, n_heads, n_kv_heads))
+    back = split_qkv(fused, n_heads, n_kv_heads)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+    # TE's view of the projection output: (..., groups, q_per_kv + 2, head_dim).
+    x = torch.randn(2, dim, generator=g)
+    out = (x @ fused.T).view(2, n_kv_heads, n_heads // n_kv_heads + 2, hd)
+    assert torch.allclose(out[:, :, -2].reshape(2, -1), x @ k.T, atol=1e-6)
+    assert torch.allclose(out[:, :, -1].reshape(2, -1), x @ v.T, atol=1e-6)
+    assert torch.allclose(out[:, :, :-2].reshape(2, -1), x @ q.T, atol=1e-6)
+
+
+def separate_qkv_logits(cfg, weights, qkv_parts, tokens):
+    """Llama written out with separate Q, K, V weights and explicit GQA (each K/V head
+    repeated for its query heads), eager attention: the yardstick for the fused layout."""
+    b, s = tokens.shape
+    hd, rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    freqs = Llama(cfg).freqs[:s]
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    x = F.embedding(tokens, weights["embed.weight"])
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        wq, wk, wv = qkv_parts[i]
+        h = rms_norm(x, weights[p + "self_attention.layernorm_qkv.layer_norm_weight"], cfg.norm_eps)
+        q = (h @ wq.T).view(b, s, cfg.n_heads, hd)
+        k = (h @ wk.T).view(b, s, cfg.n_kv_heads, hd)
+        v = (h @ wv.T).view(b, s, cfg.n_kv_heads, hd)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        att = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, -1)
+        x = x + out @ weights[p + "self_attention.proj.weight"].T
+        h = rms_norm(x, weights[p + "layernorm_mlp.layer_norm_weight"], cfg.norm_eps)
+        gate, up = (h @ weights[p + "layernorm_mlp.fc1_weight"].T).chunk(2, dim=-1)
+        x = x + (F.silu(gate) * up) @ weights[p + "layernorm_mlp.fc2_weight"].T
+    x = rms_norm(x, weights["norm.weight"], cfg.norm_eps)
+    return x @ weights.get("lm_head.weight", weights["embed.weight"]).T
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
+def test_fused_qkv_matches_separate_projections(n_kv_heads):
+    cfg = small_cfg(n_kv_heads=n_kv_heads)
+    model = seeded(cfg, 5)
+    sd = model.state_dict()
+    g = torch.Generator().manual_seed(11)
+    parts = []
+    for i in range(cfg.n_layers):
+        q = torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim, generator=g) * 0.1
+        k, v = (torch.randn(n_kv_heads * cfg.head_dim, cfg.dim, generator=g) * 0.1
+                for _ in range(2))
+        parts.append((q, k, v))
+        sd[f"layers.{i}.{QKV}"] = interleave_by_loop(q, k, v, cfg.n_heads, n_kv_heads)
+    model.load_state_dict(sd)
+    x = tokens(cfg)
+    with torch.no_grad():
+        got = model(x)
+        want = separate_qkv_logits(cfg, sd, parts, x)
+    assert want.std().item() > 0.1
+    assert (got - want).abs().max().item() < 1e-5
+    # A layout mix-up (here: K and V swapped in every group) must show up in the logits.
+    for i, (q, k, v) in enumerate(parts):
+        sd[f"layers.{i}.{QKV}"] = interleave_by_loop(q, v, k, cfg.n_heads, n_kv_heads)
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        assert (model(x) - want).abs().max().item() > 1e-3
+
+
 def test_gqa_matches_repeated_kv_heads():
     # GQA with n_kv_heads=2 equals MHA whose K/V heads are the GQA heads repeated in place
     # (query head h reads kv head h // (n_heads / n_kv_heads)).
@@ -166,10 +269,12 @@ def test_gqa_matches_repeated_kv_heads():
     sd = gqa.state_dict()
     rep = cfg.n_heads // cfg.n_kv_heads
     for i in range(cfg.n_layers):
-        for w in ("key_weight", "value_weight"):
-            k = f"layers.{i}.self_attention.layernorm_qkv.{w}"
-            sd[k] = sd[k].view(cfg.n_kv_heads, cfg.head_dim, cfg.dim).repeat_interleave(rep, 0)
-            sd[k] = sd[k].reshape(-1, cfg.dim)
+        key = f"layers.{i}.{QKV}"
+        q, k, v = split_qkv(sd[key], cfg.n_heads, cfg.n_kv_heads)
+        k, v = (t.view(cfg.n_kv_heads, cfg.head_dim, cfg.dim).repeat_interleave(rep, 0)
+                for t in (k, v))
+        sd[key] = interleave_by_loop(q, k.reshape(-1, cfg.dim), v.reshape(-1, cfg.dim),
+                                     cfg.n_heads, cfg.n_heads)
     mha.load_state_dict(sd)
     x = tokens(cfg)
     with torch.no_grad():

@@ -119,8 +119,8 @@ def test_single_process_without_group_is_a_no_op():
 
 
 def test_placement_table():
-    assert placement_for("layers.3.self_attention.layernorm_qkv.query_weight") == Shard(0)
-    assert placement_for("layers.0.self_attention.layernorm_qkv.value_weight") == Shard(0)
+    assert placement_for("layers.3.self_attention.layernorm_qkv.weight") == Shard(0)
+    assert placement_for("layers.0.self_attention.layernorm_qkv.layer_norm_weight") == Replicate()
     assert placement_for("layers.0.self_attention.proj.weight") == Shard(1)
     assert placement_for("layers.0.layernorm_mlp.fc1_weight") == _StridedShard(0, split_factor=2)
     assert placement_for("layers.0.layernorm_mlp.fc2_weight") == Shard(1)

@@ -122,10 +122,16 @@ def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
     model.reset_buffers()
     init_weights(model, cfg, SEED)
     check_global_layout(model, cfg)
+    seen_qkv = record_forward_qkv(model)
     ref_grads = reference_first_grads(cfg)
     grad_err = []
+
+    def on_first_grads(m):
+        grad_err.append(check_first_grads(m, ref_grads))
+        check_local_qkv_groups(seen_qkv, cfg, dims.tp_rank, dims.tp)
+
     losses = train(model, cfg, batches(cfg, STEPS), dims.dp_rank, dims.dp_size, dims.dp_group,
-                   on_first_grads=lambda m: grad_err.append(check_first_grads(m, ref_grads)))
+                   on_first_grads=on_first_grads)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "grad_err": grad_err[0]}, f)
@@ -140,19 +146,20 @@ def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
 
 
 class _MockLayerNormQKV(torch.nn.Module):
+    """TE's LayerNormLinear with fuse_qkv_params=True: one local `weight` holding this rank's
+    KV groups, each [q_per_kv query heads; key; value]; returns the fused projection."""
+
     def __init__(self, cfg, tp, group, sp):
         super().__init__()
-        hd, self.eps, self.group, self.sp = cfg.head_dim, cfg.norm_eps, group, sp
+        self.eps, self.group, self.sp = cfg.norm_eps, group, sp
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(cfg.dim))
-        self.query_weight = torch.nn.Parameter(torch.empty(cfg.n_heads * hd // tp, cfg.dim))
-        self.key_weight = torch.nn.Parameter(torch.empty(cfg.n_kv_heads * hd // tp, cfg.dim))
-        self.value_weight = torch.nn.Parameter(torch.empty(cfg.n_kv_heads * hd // tp, cfg.dim))
+        rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.weight = torch.nn.Parameter(torch.empty(rows // tp, cfg.dim))
 
     def forward(self, x):
         h = rms_norm(x, self.layer_norm_weight, self.eps)
         h = tp_comm.gather_from_sp(h, 0, self.group) if self.sp else tp_comm.copy_to_tp(h, self.group)
-        return (F.linear(h, self.query_weight), F.linear(h, self.key_weight),
-                F.linear(h, self.value_weight))
+        return F.linear(h, self.weight)
 
 
 def _row_out(y, group, sp):
@@ -173,14 +180,18 @@ class _MockAttention(torch.nn.Module):
     def __init__(self, cfg, tp, group, sp):
         super().__init__()
         self.hd, self.sp = cfg.head_dim, sp
+        self.q_per_kv = cfg.n_heads // cfg.n_kv_heads
         self.layernorm_qkv = _MockLayerNormQKV(cfg, tp, group, sp)
         self.proj = _MockRowLinear(cfg.n_heads * cfg.head_dim // tp, cfg.dim, group, sp)
 
     def forward(self, x, freqs):
-        q, k, v = self.layernorm_qkv(x)
+        qkv = self.layernorm_qkv(x)
         if self.sp:  # sbhd -> bshd for the attention core
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        b, s, _ = q.shape
+            qkv = qkv.transpose(0, 1)
+        b, s, _ = qkv.shape
+        # TE's split (multi_head_attention.py, qkv_weight_interleaved): local KV groups.
+        qkv = qkv.reshape(b, s, -1, self.q_per_kv + 2, self.hd)
+        q, k, v = qkv.split([self.q_per_kv, 1, 1], dim=3)
         q, k, v = (t.reshape(b, s, -1, self.hd) for t in (q, k, v))
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -260,6 +271,35 @@ def check_global_layout(model, cfg):
         assert torch.equal(got, full), f"{name}: gathered tensor differs from the global init"
 
 
+def record_forward_qkv(model) -> dict[str, torch.Tensor]:
+    """name -> the QKV weight each block's forward computes with (its first call): the tp-local
+    tensor, after FSDP's all-gather and the DTensor -> local swap."""
+    seen: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.layers):
+        name = f"layers.{i}.self_attention.layernorm_qkv.weight"
+
+        def pre(mod, args, name=name):
+            w = mod._parameters["weight"]
+            seen.setdefault(name, w.detach().clone())
+
+        # Registered after parallelize: runs after the hooks that install the local weight.
+        layer.self_attention.layernorm_qkv.register_forward_pre_hook(pre)
+    return seen
+
+
+def check_local_qkv_groups(seen, cfg, tp_rank: int, tp: int) -> None:
+    """Rank r of tp computes with exactly KV groups [r*G/tp, (r+1)*G/tp) of the global QKV."""
+    assert len(seen) == cfg.n_layers
+    groups = cfg.n_kv_heads
+    per_rank = groups // tp
+    for name, local in seen.items():
+        assert not isinstance(local, DTensor), name
+        full = full_init_value(cfg, name, ((cfg.n_heads + 2 * groups) * cfg.head_dim, cfg.dim),
+                               SEED, "cpu")
+        want = full.view(groups, -1, cfg.dim)[tp_rank * per_rank:(tp_rank + 1) * per_rank]
+        assert torch.equal(local, want.reshape(-1, cfg.dim)), f"{name}: tp rank {tp_rank}"
+
+
 _REF_CACHE: dict[bool, list[float]] = {}
 
 
@@ -331,3 +371,43 @@ TE_CASES = {
 def test_te_tp_path_matches_single_process(case, tmp_path):
     world, kw, tie = TE_CASES[case]
     run_layout(str(tmp_path), world, tie=tie, impl="te", **kw)
+
+
+# Fused QKV under tp=2 with two KV groups per rank, forward only (fast): the gathered DTensor
+# equals the single-process tensor, each rank's forward uses its contiguous block of whole
+# groups, and the logits equal the single-process model's, for both implementations.
+
+
+def _qkv_groups_worker(rank, world_size, impl, sp):
+    torch.set_num_threads(1)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=200,
+                      pad_vocab_multiple=64, max_seq_len=SEQ_LEN)
+    pcfg = ParallelConfig(name="tp", dp_shard=1, tp=-1, sequence_parallel=sp)
+    dims = ParallelDims(pcfg, world_size)
+    dims.validate_model(cfg)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        if impl == "te":
+            model = MockTELlama(cfg, tp_group=dims.tp_group, sequence_parallel=sp)
+        else:
+            model = Llama(cfg)
+    model = parallelize(model, dims, pcfg, impl, mixed_precision=False)
+    model.to_empty(device="cpu")
+    model.reset_buffers()
+    init_weights(model, cfg, SEED)
+    check_global_layout(model, cfg)
+    seen = record_forward_qkv(model)
+    single = Llama(cfg)
+    init_weights(single, cfg, SEED)
+    tokens = batches(cfg, 1)[0, :, :-1]
+    with torch.no_grad():
+        got, want = model(tokens), single(tokens)
+    check_local_qkv_groups(seen, cfg, dims.tp_rank, dims.tp)
+    diff = (got - want).abs().max().item()
+    assert diff < 1e-5, f"tp=2 logits differ from one process by {diff:.2e}"
+
+
+@pytest.mark.parametrize("impl, sp", [("torch", False), ("te", True), ("te", False)],
+                         ids=["reference", "te_sp", "te_nosp"])
+def test_fused_qkv_groups_under_tp2(impl, sp):
+    run_distributed(_qkv_groups_worker, 2, impl, sp)

@@ -145,7 +145,7 @@ def fp8_allgather_check(cfg, dims, pcfg, device) -> list[dict]:
     block = model.layers[0]
     block.unshard()
     rows = []
-    for mod_name, pname in (("self_attention.layernorm_qkv", "query_weight"),
+    for mod_name, pname in (("self_attention.layernorm_qkv", "weight"),
                             ("self_attention.proj", "weight"),
                             ("layernorm_mlp", "fc1_weight"), ("layernorm_mlp", "fc2_weight")):
         module = block.get_submodule(mod_name)

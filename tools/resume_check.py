@@ -1,0 +1,95 @@
+"""Resume parity: an uninterrupted run vs the same run resumed from its middle checkpoint.
+
+    python tools/resume_check.py --steps 20 -- model=tiny data.seq_len=64          # CPU
+    python tools/resume_check.py --modes sync async --recipes bf16 fp8_cs --quantized-init both \
+        -- model=small                                                          # one GPU
+    python tools/resume_check.py --nproc 4 --resume-nproc 2 --resume-overrides parallel=fsdp \
+        -- model=small parallel=fsdp                                            # reshard 4 -> 2
+
+For each (recipe, quantized_init, checkpoint mode) it trains `--steps` steps saving every
+steps/2 (run A), copies A's run directory without its later checkpoints, resumes it from the
+middle checkpoint (run B, optionally on another process count or layout) and compares the
+losses of the second half with tools/compare_runs.py. Prints one table row per case: max
+absolute loss difference and whether the curves are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.compare_runs import compare, load_run  # noqa: E402
+
+
+def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd + ["train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespace) -> dict:
+    name = f"{recipe}{'-q' if qinit else ''}-{mode}"
+    half = a.steps // 2
+    common = [f"recipe={recipe}", f"recipe.quantized_init={str(qinit).lower()}",
+              f"checkpoint={mode}", f"checkpoint.interval={half}", "checkpoint.keep_last=4",
+              f"train.steps={a.steps}", "train.log_every=1", f"run.root={tmp}", *a.overrides]
+    ra = launch(a.nproc, common + [f"run.name={name}-A"])
+    if ra.returncode != 0:
+        return dict(case=name, error=(ra.stderr.strip().splitlines() or ["A failed"])[-1])
+    run_a, run_b = tmp / f"{name}-A", tmp / f"{name}-B"
+    shutil.copytree(run_a, run_b)
+    for d in (run_b / "checkpoints").iterdir():  # keep only the middle checkpoint
+        if d.is_dir() and d.name != f"step_{half:07d}":
+            shutil.rmtree(d)
+    rb = launch(a.resume_nproc or a.nproc, common + [f"run.name={name}-B", *a.resume_overrides])
+    if rb.returncode != 0:
+        return dict(case=name, error=(rb.stderr.strip().splitlines() or ["B failed"])[-1])
+    runs = {"A": load_run(run_a), "B": load_run(run_b)}
+    second = {k: {s: r for s, r in v.items() if s > half} for k, v in runs.items()}
+    report = compare(list(second.items()), metrics=("loss",), rtol=0, atol=0)
+    d = report.diffs[0]
+    resumed = f"resumed_from_step={half}" in rb.stdout
+    return dict(case=name, steps=len(d.common_steps), max_abs=d.max_abs, bitwise=report.ok,
+                resumed=resumed, first_diff=d.first_diff_step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--recipes", nargs="+", default=["bf16"])
+    ap.add_argument("--quantized-init", choices=["false", "true", "both"], default="false")
+    ap.add_argument("--modes", nargs="+", default=["sync"])
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--resume-nproc", type=int, default=None)
+    ap.add_argument("--resume-overrides", nargs="*", default=[])
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    qinits = {"false": [False], "true": [True], "both": [False, True]}[a.quantized_init]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe in a.recipes:
+            for q in ([False] if recipe == "bf16" else qinits):
+                for mode in a.modes:
+                    rows.append(one_case(Path(tmp), recipe, q, mode, a))
+                    print(rows[-1], flush=True)
+    print("\n| case | resumed | steps compared | max abs loss diff | bitwise |\n|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']} | failed: {r['error']} | | | |")
+        else:
+            print(f"| {r['case']} | {r['resumed']} | {r['steps']} | {r['max_abs']:.3g} | {r['bitwise']} |")
+    sys.exit(0 if all(r.get("bitwise") for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
