@@ -39,7 +39,8 @@ class TrainConfig:
     #: Sequences per optimizer step over all data-parallel ranks.
     global_batch_size: int = 16
     #: Sequences per forward/backward on one rank; the rest is gradient accumulation.
-    micro_batch_size: int = 16
+    #: null: the whole per-rank share of the global batch (no accumulation).
+    micro_batch_size: int | None = None
     log_every: int = 10
     seed: int = 1234
     #: auto | cpu | cuda
@@ -131,7 +132,8 @@ def validate(cfg: Config) -> None:
     _one_of(t.device, DEVICES, "train.device")
     _require(t.steps > 0, f"train.steps={t.steps} must be > 0")
     _require(t.global_batch_size > 0, f"train.global_batch_size={t.global_batch_size} must be > 0")
-    _require(t.micro_batch_size > 0, f"train.micro_batch_size={t.micro_batch_size} must be > 0")
+    _require(t.micro_batch_size is None or t.micro_batch_size > 0,
+             f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)")
     _require(t.log_every > 0, f"train.log_every={t.log_every} must be > 0")
     _require(o.name == "adamw", f"optim.name={o.name!r} is not supported; use adamw")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
@@ -166,9 +168,13 @@ def validate(cfg: Config) -> None:
 def validate_batch(cfg: Config, dp_size: int) -> int:
     """Returns gradient-accumulation steps; the global batch must split evenly over DP ranks."""
     t = cfg.train
-    per_step = t.micro_batch_size * dp_size
+    _require(t.global_batch_size % dp_size == 0,
+             f"train.global_batch_size={t.global_batch_size} must be divisible by the "
+             f"data-parallel size {dp_size}; change it or the parallel degrees")
+    micro = t.micro_batch_size or t.global_batch_size // dp_size
+    per_step = micro * dp_size
     _require(t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size} must be divisible by "
-             f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp_size}; "
+             f"train.micro_batch_size={micro} x data-parallel size {dp_size}; "
              "change one of them")
     return t.global_batch_size // per_step

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from checkpoint import CheckpointManager, TrainState, training_state
+from checkpoint import CheckpointManager, TrainState, te_compat, training_state
 from config import Config, ConfigError, register_configs, validate, validate_batch
 from data import build_loader, build_tokenizer
 from logger import MetricsLogger
@@ -110,7 +110,10 @@ def run(cfg: Config) -> int:
     dims.build_mesh(device.type)
     torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
 
-    # 3. Model on the meta device: no memory until the layout is known.
+    # 3. Model on the meta device: no memory until the layout is known. TE fixes that the
+    #    installed TE lacks are patched in first (each detected by feature, checkpoint/te_compat.py).
+    if impl == "te":
+        te_compat.apply_all()
     te_kwargs = {}
     if impl == "te":
         te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
@@ -147,7 +150,8 @@ def run(cfg: Config) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     train_state = TrainState(config_yaml=config_yaml)
-    state = training_state(model, optimizer, scheduler, loader, train_state)
+    state = training_state(model, optimizer, scheduler, loader, train_state,
+                           te_recipe=recipe.te_recipe())
     ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank=rank, world_size=world_size)
     start_step = ckpt.resume(state)
     if rank == 0:

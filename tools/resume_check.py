@@ -56,10 +56,10 @@ def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespa
         return dict(case=name, error=(rb.stderr.strip().splitlines() or ["B failed"])[-1])
     runs = {"A": load_run(run_a), "B": load_run(run_b)}
     second = {k: {s: r for s, r in v.items() if s > half} for k, v in runs.items()}
-    report = compare(list(second.items()), metrics=("loss",), rtol=0, atol=0)
+    report = compare(second, metrics=("loss",), rtol=0, atol=0)
     d = report.diffs[0]
     resumed = f"resumed_from_step={half}" in rb.stdout
-    return dict(case=name, steps=len(d.common_steps), max_abs=d.max_abs, bitwise=report.ok,
+    return dict(case=name, steps=d.common_steps, max_abs=d.max_abs, bitwise=report.ok,
                 resumed=resumed, first_diff=d.first_diff_step)
 
 

@@ -1,0 +1,198 @@
+"""What a checkpoint holds: one Stateful per concern (ARCHITECTURE.md decision 6).
+
+    state = training_state(model, optimizer, scheduler, loader, train_state)
+    # {"model", "optimizer", "scheduler", "loader", "rng", "train"} (+ "te_scaling")
+
+Model and optimizer go through torch.distributed.checkpoint.state_dict (FQN keys without
+wrapper prefixes, DTensor values), so DCP reshards them on load: any world size, any layout.
+Everything else is small and replicated, except RNG states, which are per rank.
+
+Optional protocol used by the manager on load: `load_request(saved)` receives the checkpoint's
+metadata for this part's keys (prefix stripped) and returns the structure to load into, for
+parts whose shape depends on the checkpoint (per-rank RNG keys, TE scaling tensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from checkpoint import te_compat
+
+#: Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") do not depend on
+#: how parameters are grouped, which keeps resharded loads simple.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_EXTRA_STATE = "_extra_state"
+
+
+@dataclass
+class TrainState(Stateful):
+    """Counters and identity of the run. `config_yaml` is the current resolved config; the one
+    saved with a checkpoint comes back as `saved_config_yaml` (the current one is kept)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    wandb_run_id: str | None = None
+    config_yaml: str | None = None
+    saved_config_yaml: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": int(self.step),
+            "tokens_seen": int(self.tokens_seen),
+            "wandb_run_id": self.wandb_run_id or "",
+            "config_yaml": self.config_yaml or "",
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.step = int(sd["step"])
+        self.tokens_seen = int(sd["tokens_seen"])
+        self.wandb_run_id = sd["wandb_run_id"] or None
+        self.saved_config_yaml = sd["config_yaml"] or None
+
+
+class ModelState(Stateful):
+    """Model parameters and buffers. TE `_extra_state` entries are left out: under FSDP2 they
+    do not load through DCP (TE issue 1860; their size changes once FP8 runs); the scaling
+    state they carry is saved by TEScalingState instead."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = get_model_state_dict(self.model)
+        return {k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        result = set_model_state_dict(self.model, dict(sd), options=StateDictOptions(strict=False))
+        missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"model state mismatch: missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]}"
+            )
+
+
+class OptimizerState(Stateful):
+    """Optimizer state with DTensor moments (and TE FusedAdam master weights)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self._wrapped: set[str] = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)
+        # Older TE FusedAdam keeps plain local states for DTensor parameters (TE PR 2795);
+        # saved as such they would not reshard. No-op where states already are DTensors.
+        self._wrapped = te_compat.optimizer_states_as_dtensors(sd, self.model)
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        sd = dict(sd)
+        te_compat.optimizer_states_to_local(sd, self._wrapped)
+        set_optimizer_state_dict(self.model, self.optimizer, sd, options=_OPTIM_OPTIONS)
+
+
+class ObjectState(Stateful):
+    """Anything with state_dict/load_state_dict whose state is small and identical on every
+    rank (LR scheduler, data loader position): DCP stores one copy."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.obj.load_state_dict(dict(sd))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class RNGState(Stateful):
+    """CPU, CUDA (current device) and Python `random` generator states, one set per rank,
+    under rank-suffixed keys so every rank saves and restores its own stream.
+
+    A rank absent from the checkpoint (resuming on more ranks than saved it) gets a
+    deterministic fallback: every generator seeded from a hash of rank 0's saved CPU state and
+    the new rank number, so a given checkpoint and world size always continue the same way.
+    numpy's global generator is not saved (nothing here draws from it).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        r = _rank()
+        sd: dict[str, Any] = {
+            f"cpu_rank{r}": torch.get_rng_state(),
+            f"python_rank{r}": list(random.getstate()),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd[f"cuda_rank{r}"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_request(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        r = _rank()
+        own = self.state_dict()
+        request = {k: v for k, v in own.items() if k in saved}
+        if f"cpu_rank{r}" not in saved and "cpu_rank0" in saved:
+            request["cpu_rank0"] = torch.get_rng_state()
+        return request
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        r = _rank()
+        if f"cpu_rank{r}" not in sd:
+            if "cpu_rank0" not in sd:
+                return
+            digest = hashlib.sha256(sd["cpu_rank0"].numpy().tobytes() + f"/rank{r}".encode())
+            seed = int(digest.hexdigest()[:15], 16)
+            torch.manual_seed(seed)  # also seeds every CUDA device
+            random.seed(seed)
+            return
+        torch.set_rng_state(sd[f"cpu_rank{r}"])
+        if f"python_rank{r}" in sd:
+            version, internal, gauss = sd[f"python_rank{r}"]
+            random.setstate((version, tuple(internal), gauss))
+        if f"cuda_rank{r}" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd[f"cuda_rank{r}"].cpu())
+
+
+def training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loader: Any,
+    train_state: TrainState,
+    *,
+    te_recipe: Any = None,
+) -> dict[str, Stateful]:
+    """Everything a resume needs, as DCP Statefuls. `te_recipe`: the TE recipe object of the
+    run; with a DelayedScaling recipe and TE modules in the model, their amax histories and
+    scales are saved too ("te_scaling")."""
+    state: dict[str, Stateful] = {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "scheduler": ObjectState(scheduler),
+        "loader": ObjectState(loader),
+        "rng": RNGState(),
+        "train": train_state,
+    }
+    scaling = te_compat.delayed_scaling_state(model, te_recipe)
+    if scaling is not None:
+        state["te_scaling"] = scaling
+    return state

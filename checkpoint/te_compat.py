@@ -1,0 +1,306 @@
+"""Fixes TE needs for checkpointing quantized models, each applied only where missing.
+
+Every fix detects the upstream feature (by what the installed TE does or defines, never by its
+version number) and patches only when it is absent. Nothing here imports TE at module level:
+CPU runs and the reference model never touch it.
+
+| fix | upstream | detect | ours |
+| --- | --- | --- | --- |
+| empty `untyped_storage` on QuantizedTensor: FSDP2's reset_sharded_param after a DCP load compares storages and crashes on the wrapper subclass | TE PR 2974 (in 2.20) | `QuantizedTensor` defines `untyped_storage` | `ensure_quantized_tensor_storage` |
+| QuantizedTensor copies to CPU keeping its type (DCP staging without dequantizing) | TE PR 2974 (in 2.20) | `.cpu()` of a quantized tensor stays quantized | `quantized_staging_supported` (checked, no patch: raises a clear error) |
+| FusedAdam states are DTensors for DTensor params, so they reshard | TE PR 2795 (in 2.20) | per state entry, at save | `optimizer_states_as_dtensors` / `optimizer_states_to_local` |
+| DelayedScaling amax history + scales through DCP under FSDP2 (`_extra_state` does not load) | missing (TE issue 1860) | modules with delayed-scaling `fp8_meta` | `delayed_scaling_state` (TEScalingState) |
+| amax reduction group of current-scaling / NVFP4 weight shards when the param mesh has 2+ dims (FSDP x TP, HSDP): TE looks up the dim named "shard" (ours: dp_shard) and raises | missing (PR 2974 added NVFP4 to the 1-D case) | reset_parameters source asks for `mesh_dim="shard"` | `ensure_shard_amax_group` |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
+
+_PATCHED: dict[str, bool] = {}
+
+
+def te_importable() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def _quantized_tensor_cls():
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+    return QuantizedTensor
+
+
+# -- 1. QuantizedTensor.untyped_storage ---------------------------------------------------
+
+
+def quantized_tensor_has_storage_fix() -> bool:
+    return "untyped_storage" in vars(_quantized_tensor_cls())
+
+
+def _empty_untyped_storage(self) -> torch.UntypedStorage:
+    # The bytes live in the inner buffers; an empty storage never equals a real one, so FSDP2
+    # re-records its sharded view after a load instead of dereferencing an invalid storage.
+    return torch.UntypedStorage(0, device=self.device)
+
+
+def ensure_quantized_tensor_storage() -> bool:
+    """Give QuantizedTensor an empty `untyped_storage` when TE does not. True if patched."""
+    if not te_importable():
+        return False
+    cls = _quantized_tensor_cls()
+    if quantized_tensor_has_storage_fix():
+        return _PATCHED.get("storage", False)
+    cls.untyped_storage = _empty_untyped_storage
+    _PATCHED["storage"] = True
+    log.info("te_compat: QuantizedTensor.untyped_storage patched (TE lacks PR 2974)")
+    return True
+
+
+# -- 2. staging quantized tensors without dequantizing ------------------------------------
+
+
+def quantized_staging_supported() -> bool:
+    """Does `.cpu()` keep a TE quantized tensor quantized (needs CUDA)?"""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cuda"))
+    x = q(torch.ones(16, 16, device="cuda"))
+    return isinstance(x.cpu(), _quantized_tensor_cls())
+
+
+def check_quantized_checkpointing(model: torch.nn.Module) -> None:
+    """Raise a one-line error when the model has quantized parameters and the installed TE
+    would dequantize them on checkpoint staging (silently saving high precision)."""
+    if not te_importable():
+        return
+    qcls = _quantized_tensor_cls()
+    has_quantized = any(isinstance(_local(p), qcls) for p in model.parameters())
+    if has_quantized and not quantized_staging_supported():
+        from config import ConfigError
+
+        raise ConfigError(
+            "recipe.quantized_init=true: the installed TransformerEngine copies "
+            "quantized weights to CPU by dequantizing (needs TE >= 2.16, PR "
+            "2974); upgrade TE or set recipe.quantized_init=false"
+        )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+# -- 3. DTensor optimizer states ------------------------------------------------------------
+
+
+def _params_by_fqn(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from model.init import canonical_name
+
+    return {canonical_name(n): p for n, p in model.named_parameters()}
+
+
+def optimizer_states_as_dtensors(osd: dict[str, Any], model: torch.nn.Module) -> set[str]:
+    """In a flattened optimizer state dict ("state.<fqn>.<name>"), wrap plain per-rank states
+    of DTensor parameters as DTensors with the parameter's placements (what TE FusedAdam does
+    itself since PR 2795). Returns the keys wrapped; empty when the optimizer is fine."""
+    params = _params_by_fqn(model)
+    wrapped = set()
+    for key, value in osd.items():
+        if (
+            not key.startswith("state.")
+            or not isinstance(value, torch.Tensor)
+            or isinstance(value, DTensor)
+            or value.ndim == 0
+        ):
+            continue
+        fqn = key[len("state.") :].rsplit(".", 1)[0]
+        p = params.get(fqn)
+        if isinstance(p, DTensor) and value.shape == p._local_tensor.shape:
+            osd[key] = DTensor.from_local(
+                value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+            wrapped.add(key)
+    if wrapped:
+        log.info(
+            "te_compat: %d optimizer states of DTensor params were plain tensors; saved "
+            "as DTensors (TE FusedAdam before PR 2795)",
+            len(wrapped),
+        )
+    return wrapped
+
+
+def optimizer_states_to_local(osd: dict[str, Any], keys: set[str]) -> None:
+    """Undo `optimizer_states_as_dtensors` on loaded values, for an optimizer that wants
+    plain per-rank states back."""
+    for key in keys:
+        if isinstance(osd.get(key), DTensor):
+            osd[key] = osd[key].to_local()
+
+
+def fused_adam_has_dtensor_states() -> bool:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return "DTensor" in inspect.getsource(FusedAdam._initialize_state)
+
+
+# -- 4. DelayedScaling state -----------------------------------------------------------------
+
+
+def _delayed_scaling_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from model.init import canonical_name
+
+    return {
+        canonical_name(n): m
+        for n, m in model.named_modules()
+        if isinstance(getattr(m, "fp8_meta", None), dict)
+    }
+
+
+def delayed_scaling_state(model: torch.nn.Module, recipe: Any):
+    """TEScalingState for models with TE modules under a DelayedScaling recipe, else None."""
+    if recipe is None or not getattr(recipe, "delayed", lambda: False)():
+        return None
+    modules = _delayed_scaling_modules(model)
+    return TEScalingState(modules, recipe) if modules else None
+
+
+_TENSORS = (
+    ("scaling_fwd", "scale", "scale_fwd"),
+    ("scaling_fwd", "amax_history", "amax_history_fwd"),
+    ("scaling_bwd", "scale", "scale_bwd"),
+    ("scaling_bwd", "amax_history", "amax_history_bwd"),
+)
+
+
+class TEScalingState:
+    """DelayedScaling amax histories and scales of every TE module, as plain replicated
+    tensors keyed by module name: what `_extra_state` carries, in a form DCP loads under
+    FSDP2 and across layouts. With the amax reduced over all ranks (autocast's
+    amax_reduction_group) these are identical on every rank, so one copy is kept."""
+
+    def __init__(self, modules: Mapping[str, torch.nn.Module], recipe: Any):
+        self.modules = dict(modules)
+        self.recipe = recipe
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        for name, m in self.modules.items():
+            meta = m.fp8_meta
+            if not all(
+                hasattr(meta.get(k), "amax_history") for k in ("scaling_fwd", "scaling_bwd")
+            ):
+                continue  # FP8 has not run in this module yet
+            entry: dict[str, Any] = {"num_gemms": int(meta.get("num_gemms", 1))}
+            for key, attr, out in _TENSORS:
+                entry[out] = getattr(meta[key], attr)
+            sd[name] = entry
+        return sd
+
+    def load_request(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        request: dict[str, dict[str, Any]] = {}
+        for flat, md in saved.items():
+            name, leaf = flat.rsplit(".", 1)
+            if name not in self.modules:
+                continue
+            if hasattr(md, "size"):  # TensorStorageMetadata
+                value: Any = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="cuda")
+            else:
+                value = 0
+            request.setdefault(name, {})[leaf] = value
+        return request
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        for name, entry in sd.items():
+            m = self.modules[name]
+            # What TE's own set_extra_state does, minus the pickle: set the recipe, allocate
+            # the meta tensors, copy. The first forward keeps them (same recipe type).
+            m.fp8_meta["num_gemms"] = int(entry["num_gemms"])
+            m.fp8_meta["recipe"] = self.recipe
+            m.fp8_meta["fp8_checkpoint"] = True
+            m.init_fp8_meta_tensors(self.recipe)
+            for key, attr, out in _TENSORS:
+                dst = getattr(m.fp8_meta[key], attr)
+                src = entry[out].to(dst.device)
+                if dst.shape != src.shape:  # amax_history_len changed: keep the newest rows
+                    rows = min(dst.shape[0], src.shape[0])
+                    dst.zero_()
+                    dst[:rows].copy_(src[:rows])
+                else:
+                    dst.copy_(src)
+
+
+# -- 5. amax reduction group of weight shards on multi-dim meshes ---------------------------
+
+
+def reset_parameters_needs_shard_alias() -> bool:
+    """TE's reset_parameters asks a multi-dim param mesh for the dim named "shard"."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    fn = vars(TransformerEngineBaseModule)["reset_parameters"]
+    return not getattr(fn, "_te_compat_patched", False) and 'mesh_dim="shard"' in inspect.getsource(
+        fn
+    )
+
+
+@contextmanager
+def shard_dim_alias(shard_dim: str):
+    """Inside: a DeviceMesh without a "shard" dim answers get_group("shard") with `shard_dim`
+    (our FSDP dim, e.g. "dp_shard"), so TE gives quantizers the weight-sharding group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.get_group
+
+    def get_group(self, mesh_dim=None):
+        names = self.mesh_dim_names or ()
+        if mesh_dim == "shard" and "shard" not in names and shard_dim in names:
+            mesh_dim = shard_dim
+        return original(self, mesh_dim)
+
+    DeviceMesh.get_group = get_group
+    try:
+        yield
+    finally:
+        DeviceMesh.get_group = original
+
+
+def ensure_shard_amax_group(shard_dim: str = "dp_shard") -> bool:
+    """TE (2.20) gives current-scaling / NVFP4 weight quantizers of FSDP2 DTensor params the
+    amax group of the mesh dim literally named "shard" when the mesh has 2+ dims (FSDP x TP,
+    HSDP); ours is `shard_dim`, and the lookup raises. Wrap reset_parameters so that lookup
+    resolves to `shard_dim`. True if patched (idempotent; no-op where TE does not need it)."""
+    if not te_importable() or not reset_parameters_needs_shard_alias():
+        return False
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    original = vars(TransformerEngineBaseModule)["reset_parameters"]
+
+    def reset_parameters(self, *args, **kwargs):
+        with shard_dim_alias(shard_dim):
+            return original(self, *args, **kwargs)
+
+    reset_parameters._te_compat_patched = True
+    reset_parameters._te_compat_original = original
+    reset_parameters.__doc__ = original.__doc__
+    TransformerEngineBaseModule.reset_parameters = reset_parameters
+    log.info("te_compat: reset_parameters resolves the amax mesh dim 'shard' to %r", shard_dim)
+    return True
+
+
+def apply_all(shard_dim: str = "dp_shard") -> dict[str, Any]:
+    """Apply every process-wide fix (idempotent); the per-model ones run inside the
+    checkpoint Statefuls. Returns what was patched, for logging."""
+    return {
+        "untyped_storage": ensure_quantized_tensor_storage(),
+        "shard_amax_group": ensure_shard_amax_group(shard_dim),
+    }

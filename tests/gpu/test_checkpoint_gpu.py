@@ -1,0 +1,435 @@
+"""checkpoint/ with TransformerEngine on GPU: each te_compat fix, with a check that fails when
+the fix is absent (by forcing TE's unpatched path), and quantized-parameter save/resume.
+
+    python -m pytest -m gpu tests/gpu/test_checkpoint_gpu.py -q -s
+
+One GPU, one process with a 1-rank "cpu:gloo,cuda:nccl" group (FSDP2 on a 1-rank mesh still
+runs its all-gather hooks, reset_sharded_param and DCP's DTensor paths). The resharding test
+needs 2 GPUs and skips otherwise. Uses small TE modules directly (not model/te_llama.py) so
+each test isolates one mechanism.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import te_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not te_available(), reason="needs CUDA and TransformerEngine"),
+]
+
+DIM, ROWS = 128, 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pg():
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+        )
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def _mesh(*names: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda", (1,) * len(names), mesh_dim_names=names)
+
+
+class _Loader:
+    def __init__(self):
+        self.i = 0
+
+    def batch(self) -> torch.Tensor:
+        g = torch.Generator(device="cuda").manual_seed(1000 + self.i)
+        self.i += 1
+        return torch.randn(ROWS, DIM, device="cuda", generator=g)
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, sd):
+        self.i = int(sd["i"])
+
+
+def _manager(tmp: Path, mode: str = "sync", resume: str = "auto"):
+    from checkpoint import CheckpointManager
+    from checkpoint.config import CheckpointConfig
+
+    return CheckpointManager(
+        CheckpointConfig(mode=mode, interval=0, resume=resume),
+        tmp,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        log=lambda m: None,
+    )
+
+
+def _quantized_linear(recipe, seed: int):
+    """TE's FSDP2 flow for quantized weights: build on meta, shard, then reset_parameters
+    quantizes each local shard (building on CUDA first would let fully_shard's chunking
+    dequantize 2-D-blockwise weights)."""
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        lin = te.Linear(2 * DIM, 2 * DIM, bias=False, params_dtype=torch.bfloat16, device="meta")
+    fully_shard(lin, mesh=_mesh("dp_shard"))
+    torch.manual_seed(seed)
+    lin.reset_parameters()
+    assert type(lin.weight._local_tensor).__name__ != "Tensor"  # quantized
+    return lin
+
+
+def _forward_backward(lin, recipe) -> torch.Tensor:
+    """First forward: FSDP2's lazy init runs reset_sharded_param on every parameter."""
+    import transformer_engine.pytorch as te
+
+    x = torch.randn(ROWS, 2 * DIM, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(enabled=True, recipe=recipe):
+        y = lin(x)
+    y.float().pow(2).mean().backward()
+    return y.detach()
+
+
+def _dequantized_weight(lin) -> torch.Tensor:
+    w = lin.weight
+    w = w._local_tensor if hasattr(w, "_local_tensor") else w
+    return w.dequantize().float() if hasattr(w, "dequantize") else w.float()
+
+
+# -- 1. QuantizedTensor.untyped_storage (TE PR 2974) ------------------------------------------
+
+
+def test_untyped_storage_fix_needed_for_fsdp2_load(pg, tmp_path, monkeypatch):
+    """Float8BlockwiseQTensor (2-D blocks) views as a dequantized plain tensor, so once FSDP2
+    holds real sharded data (after a first load, `_apply`, or lazy init), its post-load hook
+    reset_sharded_param compares storages: without an empty untyped_storage on QuantizedTensor
+    that dereferences an invalid one. Loading twice reproduces it."""
+    from transformer_engine.common.recipe import Float8BlockScaling
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+    import checkpoint.te_compat as te_compat
+    from checkpoint.state import ModelState
+
+    assert te_compat.quantized_tensor_has_storage_fix()  # TE 2.20.2 has PR 2974
+    saved = _quantized_linear(Float8BlockScaling(), seed=0)
+    ckpt = _manager(tmp_path)
+    ckpt.save(1, {"model": ModelState(saved)})
+    ckpt.finish(1, {}, save=False)
+
+    manager = _manager(tmp_path)  # (its constructor applies the fixes: make it first)
+    monkeypatch.delattr(QuantizedTensor, "untyped_storage")  # TE without PR 2974
+    broken = _quantized_linear(Float8BlockScaling(), seed=1)
+    assert manager.resume({"model": ModelState(broken)}) == 1  # sharded data was meta
+    with pytest.raises(RuntimeError, match="storage|data pointer"):
+        manager.resume({"model": ModelState(broken)})
+
+    assert te_compat.ensure_quantized_tensor_storage() is True  # detected missing: patched
+    fixed = _quantized_linear(Float8BlockScaling(), seed=1)
+    assert not torch.equal(_dequantized_weight(fixed), _dequantized_weight(saved))
+    for _ in range(2):
+        assert _manager(tmp_path).resume({"model": ModelState(fixed)}) == 1
+    assert torch.equal(_dequantized_weight(fixed), _dequantized_weight(saved))
+
+
+# -- 2. quantized parameters: save without dequantizing, sync and async ------------------------
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_cs", "fp8_block"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_quantized_params_roundtrip(pg, tmp_path, recipe_name, mode):
+    from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling
+
+    import checkpoint.te_compat as te_compat
+    from checkpoint.state import ModelState
+
+    assert te_compat.quantized_staging_supported()
+    recipe = Float8CurrentScaling() if recipe_name == "fp8_cs" else Float8BlockScaling()
+    saved = _quantized_linear(recipe, seed=0)
+    ckpt = _manager(tmp_path, mode=mode)
+    ckpt.save(1, {"model": ModelState(saved)})
+    ckpt.finish(1, {}, save=False)
+    loaded = _quantized_linear(recipe, seed=1)
+    assert _manager(tmp_path).resume({"model": ModelState(loaded)}) == 1
+    local = loaded.weight._local_tensor
+    assert type(local).__name__ != "Tensor"  # still quantized after the load
+    assert torch.equal(_dequantized_weight(loaded), _dequantized_weight(saved))
+    if recipe_name == "fp8_block":
+        # TE 2.20.2 + torch 2.11, 1-rank FSDP2 mesh: Float8BlockwiseQTensor.fsdp_post_all_gather
+        # receives 1 of its 2 all-gather outputs and fails on the first forward, checkpoint or
+        # not; the forward comparison is left to multi-GPU runs.
+        return
+    torch.manual_seed(3)
+    y_loaded = _forward_backward(loaded, recipe)
+    torch.manual_seed(3)
+    assert torch.equal(y_loaded, _forward_backward(saved, recipe))
+
+
+# -- 3. DelayedScaling amax history and scales (TE issue 1860) ----------------------------------
+
+
+def _delayed_setup(seed: int, with_te_state: bool):
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+    from transformer_engine.common.recipe import DelayedScaling
+
+    from checkpoint import TrainState, training_state
+
+    torch.manual_seed(seed)
+    recipe = DelayedScaling(amax_history_len=8)
+    model = torch.nn.Sequential(te.Linear(DIM, DIM, bias=False), te.Linear(DIM, DIM, bias=False))
+    fully_shard(model, mesh=_mesh("dp_shard"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loader, train_state = _Loader(), TrainState()
+    state = training_state(
+        model, opt, sched, loader, train_state, te_recipe=recipe if with_te_state else None
+    )
+
+    def step(i: int) -> float:
+        with te.autocast(enabled=True, recipe=recipe):
+            y = model(loader.batch())
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        train_state.step = i
+        return loss.item()
+
+    return model, state, step
+
+
+def _meta_tensors(model) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}.{k}.{a}": getattr(m.fp8_meta[k], a).clone()
+        for i, m in enumerate(model)
+        for k in ("scaling_fwd", "scaling_bwd")
+        for a in ("scale", "amax_history")
+    }
+
+
+def test_delayed_scaling_state_resumes_exactly(pg, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model, state, step = _delayed_setup(0, with_te_state=True)
+    assert "te_scaling" in state
+    for i in range(1, 4):
+        step(i)
+    ckpt = _manager(tmp_path)
+    ckpt.save(3, state)
+    ckpt.finish(3, state, save=False)
+    meta = _meta_tensors(model)
+    assert any(v.abs().sum() > 0 for k, v in meta.items() if "amax" in k)
+    reference = [step(i) for i in range(4, 7)]
+
+    model2, state2, step2 = _delayed_setup(1, with_te_state=True)
+    assert _manager(tmp_path).resume(state2) == 3
+    got = _meta_tensors(model2)
+    assert all(torch.equal(got[k], meta[k]) for k in meta)
+    assert [step2(i) for i in range(4, 7)] == reference
+
+    # Without our state: amax histories restart from zero and the losses differ.
+    model3, state3, step3 = _delayed_setup(1, with_te_state=False)
+    assert _manager(tmp_path).resume(state3) == 3
+    assert [step3(i) for i in range(4, 7)] != reference
+
+    # And TE's own _extra_state does not load through DCP into a fresh FSDP2 model.
+    dcp.save({"m": get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "extra"))
+    model4, _, _ = _delayed_setup(2, with_te_state=False)
+    fresh = {"m": get_model_state_dict(model4)}
+    with pytest.raises((Exception, CheckpointException)):  # noqa: B017
+        dcp.load(fresh, checkpoint_id=str(tmp_path / "extra"))
+
+
+# -- 4. FusedAdam DTensor states (TE PR 2795) ----------------------------------------------------
+
+
+def test_fused_adam_states_are_dtensors_and_legacy_ones_get_wrapped(pg, monkeypatch):
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    import checkpoint.te_compat as te_compat
+    from checkpoint.state import OptimizerState
+
+    assert te_compat.fused_adam_has_dtensor_states()
+    model = te.Linear(DIM, DIM, bias=False, device="cuda")
+    fully_shard(model, mesh=_mesh("dp_shard"))
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    model(torch.randn(ROWS, DIM, device="cuda")).sum().backward()
+    opt.step()
+    part = OptimizerState(model, opt)
+    sd = part.state_dict()
+    assert part._wrapped == set()  # upstream fix present: nothing to do
+    assert isinstance(sd["state.weight.exp_avg"], DTensor)
+
+    original = FusedAdam.state_dict
+
+    def legacy_state_dict(self):  # FusedAdam before PR 2795
+        out = original(self)
+        for st in out["state"].values():
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    st[k] = v.to_local()
+        return out
+
+    monkeypatch.setattr(FusedAdam, "state_dict", legacy_state_dict)
+    sd = part.state_dict()
+    assert {"state.weight.exp_avg", "state.weight.exp_avg_sq"} <= part._wrapped
+    assert isinstance(sd["state.weight.exp_avg"], DTensor)
+
+
+# -- 5. amax group of weight shards on multi-dim meshes ----------------------------------------
+
+
+def test_shard_amax_group_on_2d_mesh(pg, monkeypatch):
+    """quantized_model_init on meta, fully_shard on an HSDP (dp_replicate, dp_shard) mesh, then
+    reset_parameters: TE asks the 2-D mesh for dim "shard" and fails; with the fix the current-
+    scaling weight quantizer gets the dp_shard group."""
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+    from transformer_engine.common.recipe import Float8CurrentScaling
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    import checkpoint.te_compat as te_compat
+
+    def build():
+        with te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling()):
+            lin = te.Linear(DIM, DIM, bias=False, params_dtype=torch.bfloat16, device="meta")
+        mesh = _mesh("dp_replicate", "dp_shard")
+        fully_shard(lin, mesh=mesh)
+        return lin, mesh
+
+    # TE's own method for this test (a CheckpointManager may have patched it already); the
+    # current one comes back at teardown.
+    current = vars(TransformerEngineBaseModule)["reset_parameters"]
+    monkeypatch.setattr(
+        TransformerEngineBaseModule,
+        "reset_parameters",
+        getattr(current, "_te_compat_original", current),
+    )
+    assert te_compat.reset_parameters_needs_shard_alias()
+    lin, _ = build()
+    with pytest.raises((KeyError, RuntimeError, ValueError)):
+        lin.reset_parameters()
+    assert te_compat.ensure_shard_amax_group("dp_shard") is True
+    assert te_compat.ensure_shard_amax_group("dp_shard") is False  # idempotent
+    lin, mesh = build()
+    lin.reset_parameters()
+    group = mesh.get_group("dp_shard")
+    groups = [
+        q.amax_reduction_group
+        for q in lin.quantizers["scaling_fwd"]
+        if q is not None and getattr(q, "with_amax_reduction", False)
+    ]
+    assert groups and all(g is group for g in groups)
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        y = lin(torch.randn(ROWS, DIM, device="cuda", dtype=torch.bfloat16))
+    assert torch.isfinite(y.float()).all()
+
+
+# -- 6. FusedAdam resharding across GPU counts: 2 -> 1 --------------------------------------
+
+
+def _reshard_worker(rank, world_size, port, tmp, phase):
+    import faulthandler
+    import threading
+
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from checkpoint.state import ModelState, OptimizerState
+
+    faulthandler.dump_traceback_later(45, exit=False)  # a hang shows every rank's stacks
+    watchdog = threading.Timer(60, os._exit, args=(3,))  # then fails instead of hanging
+    watchdog.daemon = True
+    watchdog.start()
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    print(f"worker {rank}/{world_size} {phase} start", flush=True)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world_size)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.manual_seed(0)
+        model = te.Linear(2 * DIM, DIM, bias=False, device="cuda")
+        fully_shard(
+            model, mesh=init_device_mesh("cuda", (world_size,), mesh_dim_names=("dp_shard",))
+        )
+        opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+        model(torch.randn(ROWS, 2 * DIM, device="cuda")).sum().backward()
+        opt.step()
+        state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
+        ckpt = _manager(Path(tmp), resume="auto" if phase == "load" else "none")
+
+        def full():
+            return {
+                k: v.full_tensor().cpu()
+                for k, v in state["optimizer"].state_dict().items()
+                if isinstance(v, DTensor)
+            }
+
+        if phase == "save":
+            ckpt.resume(state)
+            ckpt.save(1, state)
+            ckpt.finish(1, state, save=False)
+            gathered = full()  # a collective: every rank
+            if rank == 0:
+                torch.save(gathered, Path(tmp) / "full.pt")
+        else:
+            assert ckpt.resume(state) == 1
+            want, got = torch.load(Path(tmp) / "full.pt"), full()
+            assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # now: destroy_process_group below can block while a peer waits
+        sys.stdout.flush()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fused_adam_reshards_2_to_1_gpus(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_reshard_worker, args=(2, _free_port(), str(tmp_path), "save"), nprocs=2)
+    mp.spawn(_reshard_worker, args=(1, _free_port(), str(tmp_path), "load"), nprocs=1)

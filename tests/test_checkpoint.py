@@ -1,0 +1,461 @@
+"""checkpoint/: layout and commit protocol, clear errors, single-process save/resume.
+
+Also the small training harness the multi-process tests (test_checkpoint_dist.py) share: a
+tiny reference Llama, a loader whose position is the number of global samples consumed
+(dp-size independent, like data/), AdamW + LambdaLR, and a loop that consumes the global RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from checkpoint import CheckpointManager, TrainState, layout, training_state
+from checkpoint.config import CheckpointConfig
+from checkpoint.manager import model_shape_mismatches
+from checkpoint.state import RNGState
+from config import ConfigError
+from model.config import ModelConfig
+from model.init import init_weights
+from model.llama import Llama
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+SEQ, BATCH, VOCAB = 32, 8, 258
+MODEL = ModelConfig(max_seq_len=64, rope_scaling=None)
+
+
+# -- harness (also used by test_checkpoint_dist.py) -------------------------------------------
+
+
+class FakeLoader:
+    """Sample i of the global order is a fixed random sequence; rank r of dp reads rows
+    [consumed + r*local, ...) of each global batch. State: global samples consumed."""
+
+    def __init__(self, dp_rank: int = 0, dp_size: int = 1, global_batch: int = BATCH):
+        self.dp_rank, self.dp_size, self.global_batch = dp_rank, dp_size, global_batch
+        self.local = global_batch // dp_size
+        self.consumed = 0
+        self.last_ids: list[int] = []
+
+    @staticmethod
+    def sample(i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1_000_003 * i + 7)
+        return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+
+    def next_batch(self) -> torch.Tensor:
+        start = self.consumed + self.dp_rank * self.local
+        self.last_ids = list(range(start, start + self.local))
+        self.consumed += self.global_batch
+        return torch.stack([self.sample(i) for i in self.last_ids])
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": self.consumed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed = int(sd["samples_consumed"])
+
+
+def config_yaml(cfg: ModelConfig = MODEL) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured({"model": cfg}))
+
+
+def lr_factor(step: int, warmup: int = 5, total: int = 40) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+
+def build_training(model: torch.nn.Module, loader, cfg: ModelConfig = MODEL):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    train_state = TrainState(config_yaml=config_yaml(cfg))
+    state = training_state(model, optimizer, scheduler, loader, train_state)
+    return optimizer, scheduler, train_state, state
+
+
+def clip_grads(params, max_norm: float = 1.0) -> None:
+    """Global-norm clipping with one all-reduce: shards are summed over ranks, replicated
+    gradients counted once (every layout here spans all ranks)."""
+    params = [p for p in params if p.grad is not None]
+    sharded, replicated = torch.zeros(()), torch.zeros(())
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor):
+            local = g.to_local().float().pow(2).sum()
+            if all(pl.is_replicate() for pl in g.placements):
+                replicated += local
+            else:
+                sharded += local
+        else:
+            replicated += g.float().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(sharded)
+    coef = torch.clamp(max_norm / ((sharded + replicated).sqrt() + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+
+
+def run_steps(
+    model,
+    forward,
+    optimizer,
+    scheduler,
+    loader,
+    train_state,
+    start: int,
+    end: int,
+    *,
+    ckpt=None,
+    state=None,
+    dp_group=None,
+    mask_labels: bool = True,
+    on_step=None,
+) -> tuple[list[float], list[list[int]]]:
+    """Steps start+1..end. Returns per-step losses (mean over data-parallel ranks) and the
+    global sample ids of each step. mask_labels drops ~10% of labels with the global RNG,
+    so a resume that does not restore RNG states changes the losses."""
+    losses, ids = [], []
+    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    for step in range(start + 1, end + 1):
+        batch = loader.next_batch()
+        x, y = batch[:, :-1], batch[:, 1:]
+        if mask_labels:
+            y = y.masked_fill(torch.rand(y.shape) < 0.1, -100)
+        logits = forward(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+        loss.backward()
+        clip_grads(model.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        train_state.step = step
+        train_state.tokens_seen += BATCH * SEQ
+        global_loss = loss.detach().clone()
+        step_ids = [loader.last_ids]
+        if dp_group is not None:
+            dist.all_reduce(global_loss, group=dp_group)
+            global_loss /= dp
+            step_ids = [None] * dp
+            dist.all_gather_object(step_ids, loader.last_ids, group=dp_group)
+        losses.append(global_loss.item())
+        ids.append([i for part in step_ids for i in part])
+        if on_step is not None:
+            on_step(step)
+        if ckpt is not None:
+            ckpt.maybe_save(step, state)
+    return losses, ids
+
+
+def plain_model(cfg: ModelConfig = MODEL, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(cfg)
+    init_weights(model, cfg, seed)
+    return model
+
+
+def ckpt_cfg(**kw) -> CheckpointConfig:
+    base = dict(mode="sync", interval=2, keep_last=5, resume="auto")
+    base.update(kw)
+    return CheckpointConfig(**base)
+
+
+def single_run(run_dir: Path, steps: int, *, cfg: ModelConfig = MODEL, seed_rng: int = 0, **kw):
+    """One process, no process group: build, resume, train to `steps`, finish."""
+    torch.manual_seed(seed_rng)
+    random.seed(seed_rng)
+    model = plain_model(cfg)
+    loader = FakeLoader()
+    optimizer, scheduler, train_state, state = build_training(model, loader, cfg)
+    ckpt = CheckpointManager(ckpt_cfg(**kw), run_dir, rank=0, world_size=1, log=lambda m: None)
+    start = ckpt.resume(state)
+    losses, _ = run_steps(
+        model,
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        train_state,
+        start,
+        steps,
+        ckpt=ckpt,
+        state=state,
+    )
+    ckpt.finish(steps, state)
+    return start, losses, model, train_state
+
+
+# -- layout --------------------------------------------------------------------------------
+
+
+def _fake_checkpoint(root: Path, step: int, payload: bytes = b"x" * 100) -> Path:
+    tmp = root / (layout.step_name(step) + layout.TMP_SUFFIX)
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(payload)
+    (tmp / ".metadata").write_bytes(b"m")
+    layout.write_manifest(tmp, step=step, world_size=1, checksum=True)
+    final = root / layout.step_name(step)
+    layout.commit(tmp, final)
+    return final
+
+
+def test_layout_commit_list_verify_prune(tmp_path):
+    for s in (10, 20, 30):
+        _fake_checkpoint(tmp_path, s)
+    partial = tmp_path / (layout.step_name(40) + layout.TMP_SUFFIX)
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    stray = tmp_path / layout.step_name(50)  # a step dir without manifest is not complete
+    stray.mkdir()
+    assert [c.step for c in layout.list_complete(tmp_path)] == [10, 20, 30]
+    assert layout.newest_complete(tmp_path).step == 30
+
+    manifest = json.loads((tmp_path / "step_0000030" / layout.MANIFEST).read_text())
+    assert manifest["step"] == 30 and manifest["files"]["__0_0.distcp"]["size"] == 100
+    assert "crc32" in manifest["files"]["__0_0.distcp"]
+    assert layout.verify(tmp_path / "step_0000030") is None
+
+    with (tmp_path / "step_0000030" / "__0_0.distcp").open("r+b") as f:
+        f.truncate(60)
+    assert "has 60 bytes, the manifest says 100" in layout.verify(tmp_path / "step_0000030")
+    (tmp_path / "step_0000020" / "__0_0.distcp").write_bytes(b"y" * 100)  # same size
+    assert layout.verify(tmp_path / "step_0000020", checksum=False) is None
+    assert "CRC32" in layout.verify(tmp_path / "step_0000020")
+    (tmp_path / "step_0000010" / ".metadata").unlink()
+    assert "missing" in layout.verify(tmp_path / "step_0000010")
+
+    assert layout.clean_partial(tmp_path) == [partial] and not partial.exists()
+    assert [p.name for p in layout.prune(tmp_path, 2)] == ["step_0000010"]
+    assert [c.step for c in layout.list_complete(tmp_path)] == [20, 30]
+    assert layout.prune(tmp_path, 1) and [c.step for c in layout.list_complete(tmp_path)] == [30]
+    assert layout.prune(tmp_path, 1) == []  # the newest complete one always stays
+    assert stray.exists()
+
+
+def test_layout_find_commit_over_existing_and_abandon(tmp_path):
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 10)
+    _fake_checkpoint(root, 20, payload=b"old")
+    assert layout.find_checkpoint(tmp_path).step == 20  # a run dir
+    assert layout.find_checkpoint(root).step == 20  # a checkpoints dir
+    assert layout.find_checkpoint(root / "step_0000010").step == 10
+    assert layout.find_checkpoint(tmp_path / "nope") is None
+    assert layout.find_checkpoint(root / "step_0000010" / ".metadata") is None
+    # Re-saving a step that exists (a new timeline) replaces it.
+    _fake_checkpoint(root, 20, payload=b"new!")
+    assert (root / "step_0000020" / "__0_0.distcp").read_bytes() == b"new!"
+    moved = layout.abandon_newer(root, 10)
+    assert len(moved) == 1 and moved[0].name.startswith("step_0000020.abandoned")
+    assert [c.step for c in layout.list_complete(root)] == [10]
+
+
+def test_model_shape_mismatches_names_fields():
+    a = config_yaml(ModelConfig(dim=256, n_heads=4))
+    b = config_yaml(ModelConfig(dim=128, n_heads=4, name="other", init_std=0.01))
+    assert model_shape_mismatches(a, b) == ["model.dim: checkpoint has 256, config has 128"]
+    assert model_shape_mismatches(a, a) == []
+    assert model_shape_mismatches(None, a) == []
+
+
+# -- single-process manager --------------------------------------------------------------
+
+
+def test_sync_resume_is_bitwise_and_prunes(tmp_path):
+    _, straight, model_a, _ = single_run(tmp_path / "a", 8, mode="none", resume="none")
+    start, first, _, _ = single_run(tmp_path / "b", 4, keep_last=2, interval=1)
+    assert start == 0 and first == straight[:4]
+    ckpts = tmp_path / "b" / "checkpoints"
+    assert [c.step for c in layout.list_complete(ckpts)] == [3, 4]
+    assert not list(ckpts.glob("*.tmp"))
+    assert (ckpts / "step_0000004" / "config.yaml").read_text() == config_yaml()
+    start, second, model_b, train_state = single_run(tmp_path / "b", 8, keep_last=2, interval=1)
+    assert start == 4 and second == straight[4:]
+    assert train_state.tokens_seen == 8 * BATCH * SEQ and train_state.saved_config_yaml
+    for (n, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_async_thread_single_process(tmp_path):
+    _, straight, _, _ = single_run(tmp_path / "a", 6, mode="none", resume="none")
+    single_run(tmp_path / "b", 3, mode="async", interval=3)
+    start, rest, _, _ = single_run(tmp_path / "b", 6, mode="async", interval=3)
+    assert start == 3 and rest == straight[3:]
+
+
+def test_export_hf_at_finish(tmp_path):
+    from model.hf import load_hf
+
+    _, _, model, _ = single_run(tmp_path, 2, interval=0, export_hf=True)
+    cfg, sd = load_hf(tmp_path / "hf")
+    assert cfg.dim == MODEL.dim and cfg.n_layers == MODEL.n_layers
+    params = dict(model.named_parameters())
+    assert sd.keys() == params.keys()
+    for name, value in sd.items():
+        rows = MODEL.vocab_size  # export drops the vocab padding rows; import zero-fills them
+        assert torch.equal(value[:rows], params[name].detach()[:rows]), name
+
+
+def test_stats_report_completed_saves(tmp_path):
+    model = plain_model()
+    loader = FakeLoader()
+    optimizer, scheduler, train_state, state = build_training(model, loader)
+    ckpt = CheckpointManager(ckpt_cfg(mode="async", interval=1), tmp_path, log=lambda m: None)
+    assert ckpt.resume(state) == 0 and ckpt.stats() == {}
+    train_state.step = 1
+    timing = ckpt.maybe_save(1, state)
+    assert set(timing) == {"save_blocking_s", "save_wait_prev_s"}
+    assert ckpt.maybe_save(1, state) is None  # already saved
+    ckpt.finish(1, state)  # nothing new to save; waits for the write
+    stats = ckpt.stats()
+    assert stats["save_total_s"] >= stats["save_blocking_s"] > 0
+    assert ckpt.stats() == {}
+    assert layout.newest_complete(tmp_path / "checkpoints").step == 1
+
+
+def test_resume_none_moves_old_checkpoints_aside(tmp_path):
+    single_run(tmp_path, 4, interval=2)
+    start, _, _, _ = single_run(tmp_path, 2, interval=2, resume="none")
+    assert start == 0
+    assert [c.step for c in layout.list_complete(tmp_path / "checkpoints")] == [2]
+    assert len(list((tmp_path / "checkpoints").glob("step_0000004.abandoned*"))) == 1
+
+
+def test_partial_directory_is_ignored_and_cleaned(tmp_path):
+    single_run(tmp_path, 2, interval=2)
+    partial = tmp_path / "checkpoints" / "step_0000004.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"partial")
+    start, _, _, _ = single_run(tmp_path, 3, interval=0)
+    assert start == 2 and not partial.exists()
+
+
+def test_error_explicit_path_without_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for spec in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(ConfigError, match=r"checkpoint.resume=.*: no checkpoint there"):
+            single_run(tmp_path / "run", 1, resume=str(spec))
+
+
+def test_error_model_shape_mismatch_names_field(tmp_path):
+    single_run(tmp_path, 2, interval=2)
+    smaller = ModelConfig(max_seq_len=64, rope_scaling=None, dim=64, n_heads=4)
+    with pytest.raises(ConfigError) as e:
+        single_run(tmp_path, 3, cfg=smaller)
+    msg = str(e.value)
+    assert msg.startswith("model.dim: checkpoint has 128, config has 64") and "\n" not in msg
+
+
+def test_error_shape_mismatch_without_config_names_tensor(tmp_path):
+    """No current config to compare with: the tensor check names the tensor."""
+    single_run(tmp_path, 2, interval=2)
+    smaller = ModelConfig(max_seq_len=64, rope_scaling=None, ffn_dim=256)
+    model = plain_model(smaller)
+    optimizer, scheduler, train_state, state = build_training(model, FakeLoader(), smaller)
+    train_state.config_yaml = None
+    ckpt = CheckpointManager(ckpt_cfg(), tmp_path, log=lambda m: None)
+    with pytest.raises(
+        ConfigError,
+        match=r"does not fit this run: 'model\.layers\.0\.layernorm_mlp"
+        r"\.fc1_weight': checkpoint has shape \(768, 128\), this "
+        r"run has \(512, 128\)",
+    ):
+        ckpt.resume(state)
+
+
+def test_error_truncated_file_detected_and_previous_resumable(tmp_path):
+    single_run(tmp_path, 4, interval=2)
+    newest = tmp_path / "checkpoints" / "step_0000004"
+    data = sorted(newest.glob("*.distcp"))[0]
+    size = data.stat().st_size
+    with data.open("r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(ConfigError) as e:
+        single_run(tmp_path, 6, interval=2)
+    msg = str(e.value)
+    assert "step_0000004 is damaged" in msg and "truncated" in msg and "\n" not in msg
+    assert f"checkpoint.resume={tmp_path / 'checkpoints' / 'step_0000002'}" in msg
+    assert data.stat().st_size == size // 2  # not loaded, not deleted
+    start, _, _, _ = single_run(
+        tmp_path, 3, interval=0, resume=str(tmp_path / "checkpoints" / "step_0000002")
+    )
+    assert start == 2
+    # The damaged newer checkpoint was moved out of auto-resume's way.
+    assert [c.step for c in layout.list_complete(tmp_path / "checkpoints")] == [2, 3]
+
+
+def test_error_missing_entry_names_key(tmp_path):
+    single_run(tmp_path, 2, interval=2)
+
+    class NewLoader(FakeLoader):
+        def state_dict(self):
+            return {**super().state_dict(), "epoch": 0}
+
+    model = plain_model()
+    optimizer, scheduler, train_state, state = build_training(model, NewLoader())
+    ckpt = CheckpointManager(ckpt_cfg(), tmp_path, log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"has no entry 'loader\.epoch'"):
+        ckpt.resume(state)
+
+
+def test_bad_mode_and_async_process_without_dist(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.mode='often' is not one of"):
+        CheckpointManager(ckpt_cfg(mode="often"), tmp_path)
+    with pytest.raises(ConfigError, match="async_process needs torch.distributed"):
+        CheckpointManager(ckpt_cfg(mode="async_process"), tmp_path)
+
+
+def test_rng_fallback_for_rank_missing_in_checkpoint(monkeypatch):
+    import checkpoint.state as st
+
+    torch.manual_seed(5)
+    saved0 = torch.get_rng_state()
+    monkeypatch.setattr(st, "_rank", lambda: 3)
+    rng = RNGState()
+    request = rng.load_request({"cpu_rank0": None, "cpu_rank1": None})
+    assert set(request) == {"cpu_rank0"}  # own rank absent: only rank 0's, for the seed
+    draws = []
+    for _ in range(2):
+        rng.load_state_dict({"cpu_rank0": saved0})
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[1])
+    monkeypatch.setattr(st, "_rank", lambda: 2)
+    rng.load_state_dict({"cpu_rank0": saved0})
+    assert not torch.equal(torch.rand(3), draws[0])  # another rank, another stream
+
+
+def test_rng_state_roundtrip():
+    rng = RNGState()
+    torch.manual_seed(1)
+    random.seed(1)
+    sd = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in rng.state_dict().items()}
+    a, b = torch.rand(4), random.random()
+    rng.load_state_dict(sd)
+    assert torch.equal(torch.rand(4), a) and random.random() == b
+
+
+def test_package_import_is_lazy():
+    """`import config` must not import torch.distributed.checkpoint (circular + slow)."""
+    import subprocess
+    import sys
+
+    code = "import sys, config; import checkpoint; print('checkpoint.manager' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert out.stdout.strip() == "False", out.stderr
