@@ -30,7 +30,7 @@ def run_one(recipe: str, quantized: bool, steps: int, log_every: int, extra: lis
     cmd = [sys.executable, "train.py", "model=small", f"recipe={recipe}",
            f"recipe.quantized_init={str(quantized).lower()}", f"train.steps={steps}",
            f"train.log_every={log_every}", "train.global_batch_size=32",
-           "train.micro_batch_size=32", "data.seq_len=1024", "checkpoint=none",
+           "data.seq_len=1024", "checkpoint=none",
            f"run.root={root}", f"run.name={name}", *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
