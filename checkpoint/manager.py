@@ -104,10 +104,20 @@ def _flatten(request: dict) -> dict[str, Any]:
     return flatten_state_dict(request)[0]
 
 
+#: Parts whose every saved entry must be loaded: an entry the run does not ask for would be
+#: dropped without a word (e.g. moments of an optimizer whose state is only partly built).
+COMPLETE_PARTS = ("model.", "optimizer.")
+
+
 def request_problems(request: dict, saved: Mapping[str, Any]) -> list[str]:
-    """Keys missing from the checkpoint, and tensors whose global shape differs."""
+    """Keys missing from the checkpoint, tensors whose global shape differs, and model or
+    optimizer entries of the checkpoint that this run would not load."""
     problems = []
-    for fqn, value in _flatten(request).items():
+    flat = _flatten(request)
+    for fqn in saved:
+        if fqn.startswith(COMPLETE_PARTS) and fqn not in flat:
+            problems.append(f"the checkpoint entry {fqn!r} would not be loaded by this run")
+    for fqn, value in flat.items():
         md = saved.get(fqn)
         if md is None:
             problems.append(f"the checkpoint has no entry {fqn!r}")
@@ -120,6 +130,13 @@ def request_problems(request: dict, saved: Mapping[str, Any]) -> list[str]:
                     f"this run has {tuple(value.shape)}"
                 )
     return problems
+
+
+def stager_closed(stager: Any) -> bool:
+    """True once DefaultStager.close() ran: it empties its copier's dispatch table."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    table = getattr(inner, "_deepcopy_dispatch", None)
+    return table is not None and len(table) == 0
 
 
 def _find(state: Mapping[str, Any], cls: type):
@@ -368,6 +385,10 @@ class CheckpointManager:
         return {"save_blocking_s": blocking, "save_wait_prev_s": waited}
 
     def _get_stager(self):
+        # Some torch releases (2.11) close the stager handed to dcp.async_save once it has
+        # staged; a closed stager cannot stage again, so a new one replaces it.
+        if self._stager is not None and stager_closed(self._stager):
+            self._stager = None
         if self._stager is None:
             try:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

@@ -165,6 +165,14 @@ def seed_master_weights(
     optimizer and before loading a checkpoint (a resume overwrites the masters anyway).
     """
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    # Build the state of EVERY parameter now, as FusedAdam would at its first step: loading a
+    # checkpoint through DCP only fills the state entries an optimizer already has, so a
+    # partly built state would silently drop the others' moments on resume.
+    if optimizer.master_weights:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if len(optimizer.state[p]) == 0:
+                    optimizer.initialize_state(p, store_param_remainders=False)
     count = 0
     for name, param in model.named_parameters():
         local = local_tensor(param)
@@ -174,8 +182,6 @@ def seed_master_weights(
         else:
             value = getter() if getter is not None else None
         if value is not None and id(param) in in_optimizer and optimizer.master_weights:
-            if len(optimizer.state[param]) == 0:
-                optimizer.initialize_state(param, store_param_remainders=False)
             optimizer.set_scaled_state(
                 param, "master_param", value.to(device=local.device, dtype=torch.float32)
             )

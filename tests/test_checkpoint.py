@@ -459,3 +459,38 @@ def test_package_import_is_lazy():
         timeout=120,
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_async_save_works_when_dcp_closes_the_stager(tmp_path, monkeypatch):
+    """torch 2.11's dcp.async_save closes the stager it is given after staging; the manager
+    must not hand the closed one to the next save (it fails with KeyError: <class 'type'>)."""
+    import torch.distributed.checkpoint as dcp
+
+    original = dcp.async_save
+
+    def closing_async_save(*args, **kwargs):
+        future = original(*args, **kwargs)
+        stager = kwargs.get("async_stager")
+        if stager is not None:
+            stager.close()
+        return future
+
+    monkeypatch.setattr(dcp, "async_save", closing_async_save)
+    _, straight, _, _ = single_run(tmp_path / "a", 6, mode="none", resume="none")
+    single_run(tmp_path / "b", 4, mode="async", interval=2)  # saves at 2 and 4 (4 at finish)
+    start, rest, _, _ = single_run(tmp_path / "b", 6, mode="async", interval=2)
+    assert start == 4 and rest == straight[4:]
+
+
+def test_resume_refuses_to_drop_optimizer_state(tmp_path):
+    """An optimizer whose state exists for only some parameters (as after seeding FusedAdam
+    masters for quantized weights alone) would load only those; the resume must refuse."""
+    single_run(tmp_path, 2, interval=2)
+    model = plain_model()
+    optimizer, scheduler, train_state, state = build_training(model, FakeLoader())
+    first = next(model.parameters())
+    optimizer.state[first] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(first),
+                              "exp_avg_sq": torch.zeros_like(first)}
+    ckpt = CheckpointManager(ckpt_cfg(), tmp_path, log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"'optimizer\.state\..*' would not be loaded"):
+        ckpt.resume(state)

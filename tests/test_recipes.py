@@ -683,6 +683,10 @@ def test_seed_master_weights_from_kept_values():
     for name in ("cs.fc1_weight", "cs.fc2_weight", "block.fc1_weight"):
         assert params[name].get_high_precision_init_val() is None
     assert params["block.fc1_weight"] not in optimizer.state
+    # Every parameter of the optimizer has its full state, quantized or not: a checkpoint
+    # load only fills states that exist, so a partial state would drop moments on resume.
+    for p in optimizer.param_groups[0]["params"]:
+        assert set(optimizer.state[p]) == {"exp_avg", "exp_avg_sq", "master_param"}
     assert seed_master_weights(optimizer, model) == 0
 
 
