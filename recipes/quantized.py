@@ -170,6 +170,7 @@ def seed_master_weights(
     # partly built state would silently drop the others' moments on resume.
     if optimizer.master_weights:
         for group in optimizer.param_groups:
+            group.setdefault("step", 0)  # FusedAdam counts steps per group; 0 = none taken
             for p in group["params"]:
                 if len(optimizer.state[p]) == 0:
                     optimizer.initialize_state(p, store_param_remainders=False)
