@@ -687,6 +687,8 @@ def test_seed_master_weights_from_kept_values():
     # load only fills states that exist, so a partial state would drop moments on resume.
     for p in optimizer.param_groups[0]["params"]:
         assert set(optimizer.state[p]) == {"exp_avg", "exp_avg_sq", "master_param"}
+    # ... and the per-group step count FusedAdam keeps, which a resume must restore too.
+    assert all(group["step"] == 0 for group in optimizer.param_groups)
     assert seed_master_weights(optimizer, model) == 0
 
 
