@@ -112,10 +112,9 @@ def run(cfg: Config) -> int:
 
     # 3. Model on the meta device: no memory until the layout is known. TE fixes that the
     #    installed TE lacks are patched in first (each detected by feature, checkpoint/te_compat.py).
-    if impl == "te":
-        te_compat.apply_all()
     te_kwargs = {}
     if impl == "te":
+        te_compat.apply_all()
         te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
                          sequence_parallel=cfg.parallel.sequence_parallel and dims.tp > 1,
                          bf16_layers=tuple(sorted(recipe.bf16_layer_ids)))
@@ -168,7 +167,6 @@ def run(cfg: Config) -> int:
                 f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else ""))
 
     # 9. Train.
-
     seq_len = cfg.data.seq_len
     tokens_per_step = cfg.train.global_batch_size * seq_len
     flops_tok = flops_per_token(cfg.model, seq_len)

@@ -58,6 +58,7 @@ from checkpoint import layout, te_compat
 from checkpoint.config import CheckpointConfig
 from checkpoint.state import ModelState, TrainState
 from config import ConfigError
+from parallel.dcp import BlockLoadPlanner, BlockSavePlanner
 
 # Single-process runs save and load without a process group on purpose.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
@@ -327,7 +328,8 @@ class CheckpointManager:
                 f"checkpoint {path} does not fit this run: {problems[0]}{more}; "
                 "resume with the settings it was saved with"
             )
-        dcp.load(request, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist)
+        dcp.load(request, checkpoint_id=str(path), planner=BlockLoadPlanner(),
+                 process_group=self._pg, no_dist=not self._dist)
         for key, part in state.items():
             part.load_state_dict(request[key])
 
@@ -356,7 +358,8 @@ class CheckpointManager:
                 (tmp / layout.CONFIG_FILE).write_text(train.config_yaml)
         writer = FileSystemWriter(str(tmp))
         if self.cfg.mode == "sync":
-            dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+            dcp.save(state, storage_writer=writer, planner=BlockSavePlanner(),
+                     process_group=self._pg, no_dist=not self._dist)
             blocking = time.perf_counter() - t0
             if self.rank == 0:
                 self._commit(tmp, step)
@@ -370,6 +373,7 @@ class CheckpointManager:
             upload = dcp.async_save(
                 state,
                 storage_writer=writer,
+                planner=BlockSavePlanner(),
                 process_group=self._pg,
                 async_checkpointer_type=kind,
                 async_stager=self._get_stager(),

@@ -52,3 +52,20 @@ def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
         # fp32 on CPU; only the reduction order differs (gradient average across ranks).
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_tp_checkpoint_resumes_on_one_process(tmp_path):
+    """train.py end to end: save under tp=2 (fc1 is a strided shard there), resume the middle
+    checkpoint in one process: the second half continues the 2-process curve."""
+    import shutil
+
+    steps = ["train.steps=8", "train.log_every=1", "checkpoint=sync", "checkpoint.interval=4",
+             *SMALL]
+    _, tp_run = train(tmp_path, "tp", *steps, "parallel=tp", nproc=2)
+    shutil.copytree(tmp_path / "tp", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "checkpoints" / "step_0000008")
+    r, resumed = train(tmp_path, "one", *steps)
+    assert "resumed_from_step=4" in r.stdout
+    assert [rec["step"] for rec in resumed] == list(range(1, 9))
+    for a, b in zip(tp_run[4:], resumed[4:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)

@@ -37,6 +37,15 @@ def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd + ["train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
+def replace_overrides(base: list[str], new: list[str]) -> list[str]:
+    """`base` with `new` applied: an override in `new` replaces every base override of the
+    same key or below it (`parallel=tp` drops `parallel=fsdp` and `parallel.dp_shard=2`)."""
+    keys = [o.split("=", 1)[0] for o in new]
+    kept = [o for o in base
+            if not any(o.split("=", 1)[0] == k or o.startswith(k + ".") for k in keys)]
+    return kept + list(new)
+
+
 def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespace) -> dict:
     name = f"{recipe}{'-q' if qinit else ''}-{mode}"
     half = a.steps // 2
@@ -51,7 +60,8 @@ def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespa
     for d in (run_b / "checkpoints").iterdir():  # keep only the middle checkpoint
         if d.is_dir() and d.name != f"step_{half:07d}":
             shutil.rmtree(d)
-    rb = launch(a.resume_nproc or a.nproc, common + [f"run.name={name}-B", *a.resume_overrides])
+    rb = launch(a.resume_nproc or a.nproc,
+                replace_overrides(common, a.resume_overrides) + [f"run.name={name}-B"])
     if rb.returncode != 0:
         return dict(case=name, error=(rb.stderr.strip().splitlines() or ["B failed"])[-1])
     runs = {"A": load_run(run_a), "B": load_run(run_b)}
