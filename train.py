@@ -166,6 +166,11 @@ def run(cfg: Config) -> int:
                 f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
                 f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else ""))
 
+    if start_step >= cfg.train.steps:
+        logger.info(f"nothing to do: the checkpoint is at step {start_step} and train.steps="
+                    f"{cfg.train.steps}; raise train.steps to continue, or pass "
+                    "checkpoint.resume=none to start over")
+
     # 9. Train.
     seq_len = cfg.data.seq_len
     tokens_per_step = cfg.train.global_batch_size * seq_len

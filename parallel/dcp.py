@@ -122,8 +122,9 @@ def dcp_view(state):
 class BlockSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner that writes multi-block DTensor shards as one chunk per block."""
 
-    def set_up_planner(self, *args, **kwargs) -> None:
-        super().set_up_planner(*args, **kwargs)
+    # Explicit signature: DCP inspects it for `storage_meta` (and warns when it is absent).
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.state_dict = dcp_view(self.state_dict)
 
 

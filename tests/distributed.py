@@ -33,12 +33,17 @@ def _worker(rank, world_size, port, fn, args, errors):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears down while another still talks to it
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Success: leave without interpreter teardown, where gloo's background threads have been
+    # seen to abort the process ("terminate called without an active exception", exit -6)
+    # after the test body had passed.
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
