@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from checkpoint import CheckpointManager, TrainState, layout, training_state
 from checkpoint.config import CheckpointConfig
@@ -27,6 +26,7 @@ from config import ConfigError
 from model.config import ModelConfig
 from model.init import init_weights
 from model.llama import Llama
+from optim import clip_grad_norm
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -85,28 +85,6 @@ def build_training(model: torch.nn.Module, loader, cfg: ModelConfig = MODEL):
     return optimizer, scheduler, train_state, state
 
 
-def clip_grads(params, max_norm: float = 1.0) -> None:
-    """Global-norm clipping with one all-reduce: shards are summed over ranks, replicated
-    gradients counted once (every layout here spans all ranks)."""
-    params = [p for p in params if p.grad is not None]
-    sharded, replicated = torch.zeros(()), torch.zeros(())
-    for p in params:
-        g = p.grad
-        if isinstance(g, DTensor):
-            local = g.to_local().float().pow(2).sum()
-            if all(pl.is_replicate() for pl in g.placements):
-                replicated += local
-            else:
-                sharded += local
-        else:
-            replicated += g.float().pow(2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(sharded)
-    coef = torch.clamp(max_norm / ((sharded + replicated).sqrt() + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef)
-
-
 def run_steps(
     model,
     forward,
@@ -136,7 +114,7 @@ def run_steps(
         logits = forward(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
         loss.backward()
-        clip_grads(model.parameters())
+        clip_grad_norm(model.parameters(), 1.0)  # the trainer's clipping
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

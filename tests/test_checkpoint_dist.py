@@ -408,14 +408,7 @@ def _legacy_save(rank, world_size, run_dir):
         optimizer.step()
         optimizer.zero_grad()
     train_state.step = 2
-    full = {
-        f"{n}.{k}": v.full_tensor()
-        for p, st in optimizer.state.items()
-        for n, q in model.named_parameters()
-        if q is p
-        for k, v in st.items()
-        if v.ndim
-    }
+    full = gathered_optimizer_states(model, optimizer)
     if rank == 0:
         torch.save(full, Path(run_dir) / "full.pt")
     for name, fixed in (("fixed", True), ("unfixed", False)):
@@ -433,6 +426,13 @@ def _legacy_save(rank, world_size, run_dir):
         ckpt.finish(2, state)
 
 
+def gathered_optimizer_states(model, optimizer) -> dict[str, torch.Tensor]:
+    """{"<param name>.<state>": full tensor} for every tensor state of the optimizer."""
+    names = {id(q): n for n, q in model.named_parameters()}
+    return {f"{names[id(p)]}.{k}": v.full_tensor()
+            for p, st in optimizer.state.items() for k, v in st.items() if v.ndim}
+
+
 def _legacy_load(rank, world_size, run_dir):
     model, forward, dp_group, loader = build("fsdp", rank, world_size)
     optimizer = LegacyAdamW(model.parameters(), lr=1e-3)
@@ -447,14 +447,7 @@ def _legacy_load(rank, world_size, run_dir):
     )
     assert ckpt.resume(state) == 2
     want = torch.load(Path(run_dir) / "full.pt", weights_only=False)
-    got = {
-        f"{n}.{k}": v.full_tensor()
-        for p, st in optimizer.state.items()
-        for n, q in model.named_parameters()
-        if q is p
-        for k, v in st.items()
-        if v.ndim
-    }
+    got = gathered_optimizer_states(model, optimizer)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     ckpt = CheckpointManager(
         CheckpointConfig(mode="none", resume=f"{run_dir}/unfixed"),

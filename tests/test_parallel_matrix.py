@@ -104,15 +104,14 @@ def check_first_grads(model, ref: dict[str, torch.Tensor]) -> None:
     return worst
 
 
-def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
-    torch.set_num_threads(1)
-    cfg = tiny_cfg(tie)
-    pcfg = ParallelConfig(**pcfg_kwargs)
+def build_parallel(cfg, pcfg, impl, world_size):
+    """Mesh + model built, parallelized and initialized the way train.py does it (the TE path
+    uses the CPU mock of TELlama); checks the gathered weights equal the 1-process init."""
     dims = ParallelDims(pcfg, world_size)
     dims.validate_model(cfg)
     dims.build_mesh("cpu")
     with torch.device("meta"):
-        if impl == "te":  # the mock, built like train.py builds TELlama
+        if impl == "te":
             model = MockTELlama(cfg, tp_group=dims.tp_group,
                                 sequence_parallel=pcfg.sequence_parallel)
         else:
@@ -122,6 +121,14 @@ def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
     model.reset_buffers()
     init_weights(model, cfg, SEED)
     check_global_layout(model, cfg)
+    return dims, model
+
+
+def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
+    torch.set_num_threads(1)
+    cfg = tiny_cfg(tie)
+    pcfg = ParallelConfig(**pcfg_kwargs)
+    dims, model = build_parallel(cfg, pcfg, impl, world_size)
     seen_qkv = record_forward_qkv(model)
     ref_grads = reference_first_grads(cfg)
     grad_err = []
@@ -383,19 +390,7 @@ def _qkv_groups_worker(rank, world_size, impl, sp):
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=200,
                       pad_vocab_multiple=64, max_seq_len=SEQ_LEN)
     pcfg = ParallelConfig(name="tp", dp_shard=1, tp=-1, sequence_parallel=sp)
-    dims = ParallelDims(pcfg, world_size)
-    dims.validate_model(cfg)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        if impl == "te":
-            model = MockTELlama(cfg, tp_group=dims.tp_group, sequence_parallel=sp)
-        else:
-            model = Llama(cfg)
-    model = parallelize(model, dims, pcfg, impl, mixed_precision=False)
-    model.to_empty(device="cpu")
-    model.reset_buffers()
-    init_weights(model, cfg, SEED)
-    check_global_layout(model, cfg)
+    dims, model = build_parallel(cfg, pcfg, impl, world_size)
     seen = record_forward_qkv(model)
     single = Llama(cfg)
     init_weights(single, cfg, SEED)
