@@ -33,7 +33,7 @@ from model.flops import flops_per_token, peak_tflops
 from model.memory import parameter_storage
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from parallel import ParallelDims, parallelize
-from recipes import build_recipe, check_recipe
+from recipes import build_recipe, check_recipe, check_recipe_layout
 
 register_configs()
 
@@ -54,6 +54,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
         raise ConfigError("model.impl=te needs a CUDA GPU and transformer_engine "
                           "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto")
     check_recipe(cfg.recipe, impl, device)
+    check_recipe_layout(cfg.recipe, world_size, dims.dp_shard, dims.tp)
     return dims, grad_accum, impl
 
 
@@ -132,6 +133,7 @@ def run(cfg: Config) -> int:
     init_weights(model, cfg.model, cfg.train.seed)
     weight_amax_group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
     recipe.quantize_weights(model, weight_amax_group)
+    recipe.init_weight_quantizers(model, weight_amax_group)  # group in place from step 1
 
     # 6. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
     #    seeded from the exact pre-quantization values).

@@ -1,4 +1,5 @@
-"""Fixes TE needs for checkpointing quantized models, each applied only where missing.
+"""Fixes TE needs for training and checkpointing quantized models, each applied only where
+missing.
 
 Every fix detects the upstream feature (by what the installed TE does or defines, never by its
 version number) and patches only when it is absent. Nothing here imports TE at module level:
@@ -11,6 +12,14 @@ CPU runs and the reference model never touch it.
 | FusedAdam states are DTensors for DTensor params, so they reshard | TE PR 2795 (in 2.20) | per state entry, at save | `optimizer_states_as_dtensors` / `optimizer_states_to_local` |
 | DelayedScaling amax history + scales through DCP under FSDP2 (`_extra_state` does not load) | missing (TE issue 1860) | modules with delayed-scaling `fp8_meta` | `delayed_scaling_state` (TEScalingState) |
 | amax reduction group of current-scaling / NVFP4 weight shards when the param mesh has 2+ dims (FSDP x TP, HSDP): TE looks up the dim named "shard" (ours: dp_shard) and raises | missing (PR 2974 added NVFP4 to the 1-D case) | reset_parameters source asks for `mesh_dim="shard"` | `ensure_shard_amax_group` |
+| FSDP2 + tensor parallel: from the second all-gather on, torch passes the existing unsharded parameter as `out=` to `fsdp_post_all_gather`, and for a TP weight that is a DTensor; TE's quantized tensors use `out` as a quantized tensor (`'DTensor' object has no attribute '_quantizer'`) | missing (TE PR 2713, DTensor weights, unmerged) | the method's source never mentions DTensor | `ensure_post_all_gather_dtensor_out` |
+| FusedAdam's fused FP8 kernel (delayed-scaling Float8Tensor params) rewrites the FP8 bytes in place but leaves the param's cached FP8 transpose valid; on Hopper the next backward's dgrad GEMM reads that stale transpose (the weights of the step the cache was made), so training drifts and a resume (fresh transpose) is not bitwise | missing in 2.20.2 | FusedAdam.step source never calls `_reset_caches` | `ensure_fused_adam_fp8_cache_reset` |
+
+Not a TE fix, but checked here too: FSDP2's one-rank shard mesh (torch 2.11:
+`FSDPParamGroup.wait_for_unshard` skips the all-gather and passes only `all_gather_inputs[0]`
+to `fsdp_post_all_gather`) breaks quantized weights that all-gather more than one tensor (FP8
+block, MXFP8, NVFP4 data + scales). `fsdp_one_rank_drops_extra_inputs` detects it; the config
+check refuses those recipes with quantized_init on layouts with dp_shard=1 (recipes/recipe.py).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
@@ -182,6 +192,32 @@ _TENSORS = (
 )
 
 
+def _max_over_ranks_newest_amax(sd: dict[str, Any]) -> None:
+    """Replace the amax histories in `sd` by copies holding their maximum over all ranks.
+
+    Older rows are reduced already (autocast reduces with max over all ranks, the recipe's
+    default group), but the newest row can hold amaxes this rank recorded since, unreduced:
+    FusedAdam writes the amax of the updated weight after the step, and when the weight is
+    split over ranks (FSDP or TP shards) each rank records the amax of its own piece. One copy
+    is saved, so without this every rank would resume with rank 0's pieces' amaxes; with it
+    every rank resumes with their maximum, which is exactly what the next reduction computes
+    from the original values. The live histories are not touched."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    keys = [(name, out) for name, entry in sd.items() for _, attr, out in _TENSORS
+            if attr == "amax_history"]
+    if not keys:
+        return
+    flat = torch.cat([sd[name][out].detach().reshape(-1).float() for name, out in keys])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    offset = 0
+    for name, out in keys:
+        live = sd[name][out]
+        n = live.numel()
+        sd[name][out] = flat[offset:offset + n].view_as(live).to(live.dtype)
+        offset += n
+
+
 class TEScalingState:
     """DelayedScaling amax histories and scales of every TE module, as plain replicated
     tensors keyed by module name: what `_extra_state` carries, in a form DCP loads under
@@ -204,6 +240,7 @@ class TEScalingState:
             for key, attr, out in _TENSORS:
                 entry[out] = getattr(meta[key], attr)
             sd[name] = entry
+        _max_over_ranks_newest_amax(sd)
         return sd
 
     def load_request(self, saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -297,10 +334,111 @@ def ensure_shard_amax_group(shard_dim: str = "dp_shard") -> bool:
     return True
 
 
+# -- 6. FusedAdam FP8 transpose cache; 7. DTensor `out` of fsdp_post_all_gather ------------
+
+
+def fused_adam_resets_fp8_caches() -> bool:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return "_reset_caches" in inspect.getsource(FusedAdam.step)
+
+
+def reset_fp8_weight_caches(optimizer: torch.optim.Optimizer) -> int:
+    """Mark the cached FP8 transposes of the optimizer's delayed-scaling Float8Tensor params
+    stale (what an in-place update must do); they are rebuilt from the new bytes when next
+    used. Returns how many params were marked."""
+    count = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = _local(p)
+            quantizer = getattr(local, "_quantizer", None)
+            if type(quantizer).__name__ == "Float8Quantizer" and hasattr(local, "_reset_caches"):
+                local._reset_caches()
+                count += 1
+    return count
+
+
+def ensure_fused_adam_fp8_cache_reset() -> bool:
+    """Wrap FusedAdam.step so the FP8 params it rewrote in place drop their cached transposes,
+    when TE's step does not do it itself. True if patched."""
+    if not te_importable() or _PATCHED.get("fused_adam_fp8_cache"):
+        return bool(_PATCHED.get("fused_adam_fp8_cache"))
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    if fused_adam_resets_fp8_caches():
+        return False
+    original = FusedAdam.step
+
+    def step(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        reset_fp8_weight_caches(self)
+        return out
+
+    step.__wrapped__ = original
+    FusedAdam.step = step
+    _PATCHED["fused_adam_fp8_cache"] = True
+    return True
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def ensure_post_all_gather_dtensor_out() -> list[str]:
+    """Let every quantized tensor class's fsdp_post_all_gather take a DTensor `out` (a TP
+    weight's unsharded parameter) by handing TE its local tensor, which is what TE updates.
+    Returns the patched class names."""
+    if not te_importable():
+        return []
+    import transformer_engine.pytorch  # noqa: F401  (defines every quantized tensor class)
+
+    patched = []
+    for cls in _subclasses(_quantized_tensor_cls()):
+        fn = vars(cls).get("fsdp_post_all_gather")
+        if fn is None or getattr(fn, "_te_compat_patched", False):
+            continue
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = ""
+        if "DTensor" in source or "_local_tensor" in source:
+            continue
+
+        def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None,
+                            _original=fn):
+            if isinstance(out, DTensor):
+                out = out._local_tensor
+            return _original(self, all_gather_outputs, metadata, param_dtype, out=out)
+
+        post_all_gather._te_compat_patched = True
+        cls.fsdp_post_all_gather = post_all_gather
+        patched.append(cls.__name__)
+    return patched
+
+
+def fsdp_one_rank_drops_extra_inputs() -> bool:
+    """Whether FSDP2's one-rank shard path hands only the first all-gather input of a tensor
+    subclass to its fsdp_post_all_gather (see the module docstring)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        source = inspect.getsource(FSDPParamGroup.wait_for_unshard)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    return "all_gather_inputs[0]" in source
+
+
 def apply_all(shard_dim: str = "dp_shard") -> dict[str, Any]:
     """Apply every process-wide fix (idempotent); the per-model ones run inside the
     checkpoint Statefuls. Returns what was patched, for logging."""
     return {
         "untyped_storage": ensure_quantized_tensor_storage(),
         "shard_amax_group": ensure_shard_amax_group(shard_dim),
+        "fused_adam_fp8_cache": ensure_fused_adam_fp8_cache_reset(),
+        "post_all_gather_dtensor_out": ensure_post_all_gather_dtensor_out(),
     }

@@ -25,8 +25,8 @@ recipe's quantized_init) need each weight to be one whole buffer; with separate 
 refuses ("Splitting QuantizedTensor into multiple params is not supported"). Of TE's two fused
 layouts, the interleaved one is the one whose per-rank blocks (whole KV groups) concatenate to
 the same global tensor for every tp; the other stores [Q_r; K_r; V_r] per rank, so the global
-row order would change with tp. Blocks in `bf16_layers`, the final norm and the head are built
-with quantized init turned off.
+row order would change with tp. Blocks in `bf16_layers` are built with quantized init turned
+off; the final norm and the head are the reference's plain PyTorch modules (see __init__).
 
 Sequence parallel needs TE's "sbhd" activation layout (TE gathers and scatters along the first
 dimension), so with `sequence_parallel=True` the blocks run on (seq, batch, dim) tensors. The
@@ -52,6 +52,7 @@ except ImportError:  # pragma: no cover
 
 from config import ConfigError
 from model.config import ModelConfig
+from model.llama import Linear, RMSNorm
 from model.rope import rope_freqs
 
 #: fp8_context(quantized) -> context manager. Called around every block and around the head.
@@ -153,13 +154,15 @@ class TELlama(nn.Module):
         for i in range(cfg.n_layers):
             with _high_precision_init(i in self.bf16_layer_ids):
                 self.layers.append(te.TransformerLayer(layer_number=i + 1, **layer_kwargs))
-        with _high_precision_init(True):
-            self.norm = te.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=params_dtype, device=te_device)
-            self.lm_head = None
-            if not cfg.tie_embeddings:
-                self.lm_head = te.Linear(
-                    cfg.dim, v, bias=False, params_dtype=params_dtype, device=te_device
-                )
+        # The final norm and the head are the reference's plain modules (always high precision).
+        # TE 2.20's te.RMSNorm is an operation-fuser module that reads its weight again in
+        # backward; under tensor parallelism the weight is a DTensor outside the forward (the
+        # local view exists only during it, parallel/tp.py), so its backward would be handed
+        # the DTensor. Plain modules save what they use, and the TP plan treats them exactly as
+        # it treats the reference model's.
+        with torch.device(device):
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps).to(params_dtype)
+            self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, v).to(params_dtype)
         freqs = rope_freqs(cfg, cfg.max_seq_len, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
 

@@ -102,6 +102,27 @@ def weight_quantizers(model: torch.nn.Module) -> list[WeightQuantizer]:
     return found
 
 
+def create_weight_quantizers(model: torch.nn.Module) -> int:
+    """Inside an enabled te.autocast: give every TE module that owns quantizable weights its
+    quantizers, through the call its forward makes first (`init_fp8_metadata`, with the GEMM
+    count its forward passes: 2 for LayerNormMLP, else 1). Modules that have them are skipped.
+    Returns how many modules were set up."""
+    count = 0
+    for module in model.modules():
+        meta = getattr(module, "param_init_meta", None)
+        init = getattr(module, "init_fp8_metadata", None)
+        if not isinstance(meta, dict) or init is None or getattr(module, "fp8_initialized", False):
+            continue
+        if not any(getattr(m, "fp8_meta_index", None) is not None for m in meta.values()):
+            continue
+        num_gemms = getattr(module, "num_gemms", None)
+        if not isinstance(num_gemms, int):
+            num_gemms = 2 if type(module).__name__ == "LayerNormMLP" else 1
+        init(num_gemms=num_gemms)
+        count += 1
+    return count
+
+
 def tensor_uses_amax_reduction(tensor: torch.Tensor) -> bool:
     """A quantized weight whose in-place re-quantization honours a tensor-level group."""
     return (

@@ -202,6 +202,37 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
             )
 
 
+#: Recipes whose quantized weights FSDP2 all-gathers as several tensors (data + block scales).
+MULTI_TENSOR_WEIGHTS = ("fp8_block", "mxfp8", "nvfp4")
+
+
+def check_recipe_layout(cfg: RecipeConfig, world_size: int, dp_shard: int, tp: int) -> None:
+    """Recipe x layout combinations that cannot work with the installed torch and TE. Raises
+    ConfigError. Both concern quantized weights that FSDP2 all-gathers as several tensors (data
+    + block scales): (1) FSDP2 on a one-rank shard mesh (dp_shard=1 with more than one process:
+    ddp, tp, hsdp_tp with dp_shard=1) skips the all-gather and hands TE only the first tensor
+    (checkpoint/te_compat.py, fsdp_one_rank_drops_extra_inputs); (2) under tensor parallelism
+    fc1 is sharded by FSDP along dim 1 (parallel/tp.py), and TE's block-scaled tensors
+    all-gather along dim 0 only."""
+    if not (cfg.quantized_init and cfg.name in MULTI_TENSOR_WEIGHTS and world_size > 1):
+        return
+    from checkpoint.te_compat import fsdp_one_rank_drops_extra_inputs
+
+    fix = "use recipe.quantized_init=false, or a layout without tp and with dp_shard > 1 (fsdp, hsdp)"
+    if tp > 1:
+        raise _config_error(
+            f"recipe={cfg.name} with recipe.quantized_init=true does not combine with "
+            f"parallel.tp={tp}: FSDP2 shards fc1's block-scaled weight along dim 1 under tensor "
+            f"parallelism, which TE's block-scaled all-gather cannot rebuild; {fix}"
+        )
+    if dp_shard == 1 and fsdp_one_rank_drops_extra_inputs():
+        raise _config_error(
+            f"recipe={cfg.name} with recipe.quantized_init=true needs parallel.dp_shard > 1 on "
+            f"{world_size} processes: this torch's FSDP2 skips the all-gather on a one-rank shard "
+            f"mesh and drops the weights' block scales; {fix}"
+        )
+
+
 def resolve_bf16_layers(indices: Iterable[int], n_layers: int) -> frozenset[int]:
     """Block indices, negative ones counted from the end, as a set of 0..n_layers-1."""
     return frozenset(int(i) % n_layers for i in indices)
@@ -426,6 +457,20 @@ class Recipe:
         from recipes.amax import weight_amax_group
 
         return weight_amax_group(self, weight_shard_group, tp_group)
+
+    def init_weight_quantizers(self, model: torch.nn.Module, group) -> int:
+        """Create the TE modules' quantizers now, as their first forward under autocast would,
+        and apply `group` to the per-tensor weight quantizers. Without it the first step of a
+        run, and the first step after every resume, would cast tensor-parallel weight slices
+        with per-slice scales (the group is otherwise set before each optimizer step, after the
+        quantizers exist): not the one-GPU scale, and not what the uninterrupted run did. With
+        quantized_init TE builds the quantizers at construction; only the group is applied."""
+        if self.needs_weight_amax_group and group is not None and not self.quantized_init:
+            from recipes.amax import create_weight_quantizers
+
+            with self.autocast():
+                create_weight_quantizers(model)
+        return self.set_weight_amax_groups(model, group)
 
     def set_weight_amax_groups(self, model: torch.nn.Module, group) -> int:
         """Apply `group` (from weight_amax_group) to the per-tensor weight quantizers and

@@ -469,3 +469,42 @@ def test_plain_optimizer_states_of_dtensor_params_reshard(tmp_path):
     with te_compat's wrapping, fails (clearly) without it."""
     run_distributed(_legacy_save, 2, str(tmp_path))
     run_distributed(_legacy_load, 1, str(tmp_path))
+
+
+# -- DelayedScaling amax histories: the saved copy holds the maximum over ranks -------------
+
+
+def _scaling_meta(rank: int):
+    """A stand-in for one TE module's fp8_meta: rows 1.. are reduced (equal on every rank), the
+    newest row holds what this rank recorded since (e.g. the amax of its weight shard)."""
+    from types import SimpleNamespace
+
+    def history(newest):
+        h = torch.tensor([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+        h[0] = torch.tensor(newest)
+        return h
+
+    fwd = SimpleNamespace(scale=torch.tensor([2.0, 4.0, 8.0]),
+                          amax_history=history([0.0, 0.5 + rank, 0.0]))
+    bwd = SimpleNamespace(scale=torch.tensor([1.0, 1.0]),
+                          amax_history=history([3.0 - rank, 1.0, 0.0])[:, :2].clone())
+    return SimpleNamespace(fp8_meta={"scaling_fwd": fwd, "scaling_bwd": bwd, "num_gemms": 1})
+
+
+def _amax_max_worker(rank, world_size):
+    from checkpoint.te_compat import TEScalingState
+
+    module = _scaling_meta(rank)
+    live_fwd = module.fp8_meta["scaling_fwd"].amax_history.clone()
+    sd = TEScalingState({"layers.0.x": module}, recipe=None).state_dict()["layers.0.x"]
+    # Newest row: maximum over ranks (rank 1 recorded 1.5 for the weight, rank 0 3.0 for the
+    # gradient); older rows and scales unchanged; the live tensors are not modified.
+    assert sd["amax_history_fwd"][0].tolist() == [0.0, 0.5 + (world_size - 1), 0.0]
+    assert sd["amax_history_bwd"][0].tolist() == [3.0, 1.0]
+    assert sd["amax_history_fwd"][1:].tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert sd["scale_fwd"].tolist() == [2.0, 4.0, 8.0]
+    assert torch.equal(module.fp8_meta["scaling_fwd"].amax_history, live_fwd)
+
+
+def test_delayed_scaling_state_saves_newest_amax_max_over_ranks():
+    run_distributed(_amax_max_worker, 2)

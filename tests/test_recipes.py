@@ -723,3 +723,36 @@ def test_recipe_seed_master_weights_only_with_quantized_init():
     assert model["cs"].fc1_weight.get_high_precision_init_val() is not None
     recipe = build_recipe(RecipeConfig(name="fp8_cs", quantized_init=True), 2)
     assert recipe.seed_master_weights(model, optimizer) == 3
+
+
+def test_multi_tensor_quantized_weights_refused_on_one_rank_shard_mesh():
+    """fp8_block / mxfp8 / nvfp4 quantized weights all-gather data + scales; FSDP2's one-rank
+    shard path passes only the first (checkpoint/te_compat.py). The check reads the installed
+    torch's FSDP2 source, so it refuses exactly where that path exists."""
+    from checkpoint.te_compat import fsdp_one_rank_drops_extra_inputs
+    from recipes import check_recipe_layout
+
+    assert fsdp_one_rank_drops_extra_inputs()  # torch 2.13 (CI) and 2.11 (GPU image) have it
+    for name in ("fp8_block", "mxfp8", "nvfp4"):
+        cfg = RecipeConfig(name=name, quantized_init=True)
+        with pytest.raises(ConfigError) as err:
+            check_recipe_layout(cfg, world_size=4, dp_shard=1, tp=1)
+        msg = str(err.value)
+        assert "\n" not in msg and "parallel.dp_shard > 1" in msg and f"recipe={name}" in msg
+        with pytest.raises(ConfigError) as err:  # fc1 FSDP-sharded along dim 1 under TP
+            check_recipe_layout(cfg, world_size=4, dp_shard=2, tp=2)
+        assert "\n" not in str(err.value) and "parallel.tp=2" in str(err.value)
+        check_recipe_layout(cfg, world_size=4, dp_shard=2, tp=1)  # sharded: fine
+        check_recipe_layout(cfg, world_size=1, dp_shard=1, tp=1)  # one process, no FSDP: fine
+        check_recipe_layout(RecipeConfig(name=name), world_size=4, dp_shard=1, tp=4)  # bf16 weights
+    # One all-gather tensor (FP8 per-tensor scaling): fine on any layout.
+    for dp_shard, tp in ((1, 1), (1, 4), (2, 2)):
+        check_recipe_layout(RecipeConfig(name="fp8_cs", quantized_init=True), 4, dp_shard, tp)
+
+
+def test_one_rank_shard_check_follows_torch(monkeypatch):
+    from checkpoint import te_compat
+    from recipes import check_recipe_layout
+
+    monkeypatch.setattr(te_compat, "fsdp_one_rank_drops_extra_inputs", lambda: False)
+    check_recipe_layout(RecipeConfig(name="fp8_block", quantized_init=True), 4, 1, 1)

@@ -3,7 +3,10 @@
 #
 #   bash tools/gpu_suite.sh single        # 1 GPU: tests, recipes, resume, save (the stages below)
 #   bash tools/gpu_suite.sh tests recipes # any of: tests recipes resume save
-#   bash tools/gpu_suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather, 4 -> 2 resume
+#   bash tools/gpu_suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather
+#   bash tools/gpu_suite.sh matrix        # 4 GPUs: every recipe x layout x checkpoint mode, resume bitwise
+#                                         # (MATRIX_LAYOUTS="tp fsdp_tp" for a subset)
+#   bash tools/gpu_suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
@@ -56,26 +59,100 @@ save() {
 
 # shellcheck disable=SC2329
 multi() {
-    stage "layout parity vs 1 GPU ($NGPU GPUs)"
+    stage "layout parity vs 1 GPU ($NGPU GPUs; 2 and 4 GPUs run side by side)"
+    local pids=() n
     for n in 2 4; do
         [[ $n -le $NGPU ]] || continue
-        torchrun --standalone --nproc_per_node="$n" tools/gpu_parallel_check.py --json "$OUT/parallel_$n.json" \
-            2>&1 | tee "$OUT/parallel_$n.log" | tail -25 || status=1
+        timeout "${MULTI_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$n" tools/gpu_parallel_check.py \
+            --json "$OUT/parallel_$n.json" > "$OUT/parallel_$n.log" 2>&1 &
+        pids+=($!)
     done
-    if [[ $NGPU -ge 4 ]]; then
-        stage "save on 4 GPUs (fsdp), resume on 2 (fsdp)"
-        "$PY" tools/resume_check.py --steps 20 --nproc 4 --resume-nproc 2 --recipes bf16 fp8_cs \
-            --modes async -- model=small train.global_batch_size=16 data.seq_len=512 \
-            2>&1 | tee "$OUT/reshard.log" | tail -8 || status=1
-    fi
+    for p in "${pids[@]}"; do wait "$p" || status=1; done
+    for n in 2 4; do
+        [[ -f "$OUT/parallel_$n.log" ]] && sed -n '/ x .*steps, global batch/,$p' "$OUT/parallel_$n.log"
+    done
+}
+
+#: Matrix model: TE-friendly local GEMM sizes up to tp=4 (multiples of 128 for fp8_block).
+MATRIX_MODEL=(model=tiny model.dim=512 model.n_heads=8 model.n_kv_heads=4 model.ffn_dim=1536
+              data.seq_len=256 train.global_batch_size=8)
+
+# shellcheck disable=SC2329
+matrix() {
+    stage "recipe x layout x checkpoint mode on $NGPU GPUs: resume bitwise (one job per layout, side by side)"
+    local pids=() i=-1 layout
+    for layout in ddp fsdp hsdp tp fsdp_tp hsdp_tp; do
+        i=$((i + 1))  # the mode rotation follows the position in this list
+        [[ " ${MATRIX_LAYOUTS:-ddp fsdp hsdp tp fsdp_tp hsdp_tp} " == *" $layout "* ]] || continue
+        rm -f "$OUT/matrix_$layout.jsonl"
+        timeout "${MATRIX_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$NGPU" tools/layout_matrix.py \
+            --layout "$layout" --layout-index "$i" --jsonl "$OUT/matrix_$layout.jsonl" \
+            -- "${MATRIX_MODEL[@]}" > "$OUT/matrix_$layout.log" 2>&1 &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || status=1; done
+    "$PY" tools/layout_matrix.py --table "$OUT"/matrix_*.jsonl || status=1
+}
+
+# shellcheck disable=SC2329  # called by scale
+# One recipe of the scale stage: 1 GPU reference, hsdp 2x2 (saves at 20), fsdp_tp 2x2, and the
+# hsdp checkpoint of step 20 resumed on 4 GPUs (fsdp_tp 2x2) and on 2 GPUs (fsdp).
+scale_one() {
+    local r=$1 gpu=$2 root=$3; shift 3
+    # lr 1e-3: at the default 3e-3 the first warmup steps spike (loss 5.9 -> 8.1 at step 3),
+    # which amplifies rounding-order differences between layouts.
+    local common=(model=small "$@" optim.lr=1e-3 checkpoint=async checkpoint.interval=20
+                  checkpoint.keep_last=4 train.steps=40 train.log_every=1 "run.root=$root")
+    local t=${SCALE_TIMEOUT:-200}
+    local tr=(timeout "$t" torchrun --standalone)
+    CUDA_VISIBLE_DEVICES=$gpu timeout "$t" "$PY" train.py "${common[@]}" parallel=fsdp run.name="$r-1gpu" \
+        > "$OUT/scale_$r-1gpu.log" 2>&1 &
+    local ref=$!
+    "${tr[@]}" --nproc_per_node=4 train.py "${common[@]}" parallel=hsdp parallel.dp_replicate=2 \
+        parallel.dp_shard=2 run.name="$r-hsdp" > "$OUT/scale_$r-hsdp.log" 2>&1 || return 1
+    local to
+    for to in fsdp_tp fsdp2; do
+        cp -r "$root/$r-hsdp" "$root/$r-hsdp-to-$to"
+        find "$root/$r-hsdp-to-$to/checkpoints" -mindepth 1 -maxdepth 1 ! -name step_0000020 \
+            -exec rm -rf {} +
+    done
+    "${tr[@]}" --nproc_per_node=4 train.py "${common[@]}" parallel=fsdp_tp parallel.dp_shard=2 \
+        parallel.tp=2 run.name="$r-fsdp_tp" > "$OUT/scale_$r-fsdp_tp.log" 2>&1 &
+    local a=$!
+    "${tr[@]}" --nproc_per_node=4 train.py "${common[@]}" parallel=fsdp_tp parallel.dp_shard=2 \
+        parallel.tp=2 run.name="$r-hsdp-to-fsdp_tp" > "$OUT/scale_$r-hsdp-to-fsdp_tp.log" 2>&1 &
+    local b=$!
+    "${tr[@]}" --nproc_per_node=2 train.py "${common[@]}" parallel=fsdp \
+        run.name="$r-hsdp-to-fsdp2" > "$OUT/scale_$r-hsdp-to-fsdp2.log" 2>&1 &
+    local c=$!
+    local rc=0 p
+    for p in $ref $a $b $c; do wait "$p" || rc=1; done
+    return "$rc"
+}
+
+# shellcheck disable=SC2329
+scale() {
+    stage "small model on 4 GPUs: hsdp 2x2 and fsdp_tp 2x2 vs 1 GPU; hsdp step 20 resumed on 4 (fsdp_tp) and 2 (fsdp)"
+    local root=/tmp/gpu-suite-scale pids=() g=0 r
+    rm -rf "$root"
+    declare -A extra=([bf16]="recipe=bf16" [fp8_delayed]="recipe=fp8_delayed"
+                      [fp8_cs-q]="recipe=fp8_cs recipe.quantized_init=true" [fp8_block]="recipe=fp8_block")
+    for r in bf16 fp8_delayed fp8_cs-q fp8_block; do
+        # shellcheck disable=SC2086  # the recipe overrides are words
+        scale_one "$r" "$g" "$root" ${extra[$r]} &
+        pids+=($!)
+        g=$((g + 1))
+    done
+    for p in "${pids[@]}"; do wait "$p" || status=1; done
+    "$PY" tools/scale_report.py "$root" || status=1
 }
 
 [[ $# -gt 0 ]] || set -- single
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|multi) "$what" ;;
-        *) echo "usage: $0 single|multi|tests|recipes|resume|save ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|multi|matrix|scale) "$what" ;;
+        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save ..." >&2; exit 2 ;;
     esac
 done
 exit $status

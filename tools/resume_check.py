@@ -46,31 +46,70 @@ def replace_overrides(base: list[str], new: list[str]) -> list[str]:
     return kept + list(new)
 
 
-def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespace) -> dict:
-    name = f"{recipe}{'-q' if qinit else ''}-{mode}"
-    half = a.steps // 2
-    common = [f"recipe={recipe}", f"recipe.quantized_init={str(qinit).lower()}",
-              f"checkpoint={mode}", f"checkpoint.interval={half}", "checkpoint.keep_last=4",
-              f"train.steps={a.steps}", "train.log_every=1", f"run.root={tmp}", *a.overrides]
-    ra = launch(a.nproc, common + [f"run.name={name}-A"])
-    if ra.returncode != 0:
-        return dict(case=name, error=(ra.stderr.strip().splitlines() or ["A failed"])[-1])
-    run_a, run_b = tmp / f"{name}-A", tmp / f"{name}-B"
-    shutil.copytree(run_a, run_b)
-    for d in (run_b / "checkpoints").iterdir():  # keep only the middle checkpoint
-        if d.is_dir() and d.name != f"step_{half:07d}":
+def keep_only_checkpoint(src: Path, dst: Path, step: int) -> None:
+    """Copy run directory `src` to `dst` with only the checkpoint of `step` (what a run killed
+    right after that save would have left)."""
+    shutil.copytree(src, dst)
+    for d in (dst / "checkpoints").iterdir():
+        if d.is_dir() and d.name != f"step_{step:07d}":
             shutil.rmtree(d)
-    rb = launch(a.resume_nproc or a.nproc,
-                replace_overrides(common, a.resume_overrides) + [f"run.name={name}-B"])
-    if rb.returncode != 0:
-        return dict(case=name, error=(rb.stderr.strip().splitlines() or ["B failed"])[-1])
+
+
+def second_half(run_a: Path, run_b: Path, half: int) -> dict:
+    """Loss of run B (resumed at `half`) against run A after `half`: steps compared, max
+    absolute difference, bitwise equality, first differing step."""
     runs = {"A": load_run(run_a), "B": load_run(run_b)}
     second = {k: {s: r for s, r in v.items() if s > half} for k, v in runs.items()}
     report = compare(second, metrics=("loss",), rtol=0, atol=0)
     d = report.diffs[0]
+    return dict(steps=d.common_steps, max_abs=d.max_abs, bitwise=report.ok,
+                first_diff=d.first_diff_step)
+
+
+def case_overrides(recipe: str, qinit: bool, mode: str, steps: int, root: Path,
+                   extra: list[str]) -> tuple[str, list[str]]:
+    """Name and train.py overrides of one resume case: save every steps/2, log every step."""
+    name = f"{recipe}{'-q' if qinit else ''}-{mode}"
+    return name, [f"recipe={recipe}", f"recipe.quantized_init={str(qinit).lower()}",
+                  f"checkpoint={mode}", f"checkpoint.interval={steps // 2}",
+                  "checkpoint.keep_last=4", f"train.steps={steps}", "train.log_every=1",
+                  f"run.root={root}", *extra]
+
+
+def format_table(rows: list[dict], keys: tuple[str, ...] = ("case",), timing: bool = False) -> str:
+    """Markdown table of resume rows: the `keys` columns, then the comparison (and the seconds
+    runs A + B took with `timing`). Rows with `error` or `refused` say so instead."""
+    head = [*keys, "resumed", "steps compared", "max abs loss diff", "bitwise"]
+    head += ["s (A+B)"] if timing else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    blanks = " |" * (len(head) - len(keys) - 1)
+    for r in rows:
+        first = "| " + " | ".join(str(r.get(k, "")) for k in keys) + " |"
+        if "refused" in r:
+            lines.append(f"{first} refused by the config check: {r['refused']} |{blanks}")
+        elif "error" in r:
+            lines.append(f"{first} failed: {r['error']} |{blanks}")
+        else:
+            cells = [r["resumed"], r["steps"], f"{r['max_abs']:.3g}", r["bitwise"]]
+            cells += [f"{r['seconds_a'] + r['seconds_b']:.0f}"] if timing else []
+            lines.append(f"{first} " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespace) -> dict:
+    half = a.steps // 2
+    name, common = case_overrides(recipe, qinit, mode, a.steps, tmp, a.overrides)
+    ra = launch(a.nproc, common + [f"run.name={name}-A"])
+    if ra.returncode != 0:
+        return dict(case=name, error=(ra.stderr.strip().splitlines() or ["A failed"])[-1])
+    run_a, run_b = tmp / f"{name}-A", tmp / f"{name}-B"
+    keep_only_checkpoint(run_a, run_b, half)
+    rb = launch(a.resume_nproc or a.nproc,
+                replace_overrides(common, a.resume_overrides) + [f"run.name={name}-B"])
+    if rb.returncode != 0:
+        return dict(case=name, error=(rb.stderr.strip().splitlines() or ["B failed"])[-1])
     resumed = f"resumed_from_step={half}" in rb.stdout
-    return dict(case=name, steps=d.common_steps, max_abs=d.max_abs, bitwise=report.ok,
-                resumed=resumed, first_diff=d.first_diff_step)
+    return dict(case=name, resumed=resumed, **second_half(run_a, run_b, half))
 
 
 def main() -> None:
@@ -92,12 +131,7 @@ def main() -> None:
                 for mode in a.modes:
                     rows.append(one_case(Path(tmp), recipe, q, mode, a))
                     print(rows[-1], flush=True)
-    print("\n| case | resumed | steps compared | max abs loss diff | bitwise |\n|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['case']} | failed: {r['error']} | | | |")
-        else:
-            print(f"| {r['case']} | {r['resumed']} | {r['steps']} | {r['max_abs']:.3g} | {r['bitwise']} |")
+    print("\n" + format_table(rows))
     sys.exit(0 if all(r.get("bitwise") for r in rows) else 1)
 
 

@@ -350,3 +350,39 @@ def test_amax_groups_on_quantizers_without_kernels(group, name, expected):
     assert set_weight_amax_groups(model, group) == expected
     for r in refs:
         assert getattr(r.quantizer, "amax_reduction_group", None) is (group if expected else None)
+
+
+# ---------------------------------------------------------------- FusedAdam FP8 transpose cache
+
+
+def test_fused_adam_fp8_step_leaves_no_stale_transpose():
+    """Delayed-scaling quantized weights: FusedAdam's fused FP8 kernel rewrites the bytes in
+    place. Whatever transpose the weight then offers to the next backward (on Hopper dgrad
+    reads it) must be the transpose of the new bytes (checkpoint/te_compat.py, fix 6)."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from checkpoint import te_compat
+
+    te_compat.apply_all()
+    recipe = build_recipe(load_recipe("recipe=fp8_delayed", "recipe.quantized_init=true"), 1)
+    with recipe.quantized_init_context():
+        layer = te.Linear(DIM, DIM, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    w = layer.weight
+    assert type(w).__name__ == "Float8Tensor"
+    opt = FusedAdam(layer.parameters(), lr=0.05, **recipe.fused_adam_kwargs())
+    x = torch.randn(64, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for step in range(3):
+        with recipe.autocast():
+            out = layer(x)
+        out.float().square().sum().backward()
+        if step == 0:  # the backward built (and cached) the transpose of the current bytes
+            assert w._transpose is not None and not w._transpose_invalid
+        before = w._data.clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert not torch.equal(before, w._data), "the step must change the FP8 bytes"
+        cached = w._transpose is not None and not w._transpose_invalid
+        assert not cached or torch.equal(w._transpose, w._data.t().contiguous()), (
+            f"step {step}: the cached FP8 transpose is of the previous weights"
+        )
