@@ -12,7 +12,7 @@ CPU runs and the reference model never touch it.
 | FusedAdam states are DTensors for DTensor params, so they reshard | TE PR 2795 (in 2.20) | per state entry, at save | `optimizer_states_as_dtensors` / `optimizer_states_to_local` |
 | DelayedScaling amax history + scales through DCP under FSDP2 (`_extra_state` does not load) | missing (TE issue 1860) | modules with delayed-scaling `fp8_meta` | `delayed_scaling_state` (TEScalingState) |
 | amax reduction group of current-scaling / NVFP4 weight shards when the param mesh has 2+ dims (FSDP x TP, HSDP): TE looks up the dim named "shard" (ours: dp_shard) and raises | missing (PR 2974 added NVFP4 to the 1-D case) | reset_parameters source asks for `mesh_dim="shard"` | `ensure_shard_amax_group` |
-| FSDP2 + tensor parallel: from the second all-gather on, torch passes the existing unsharded parameter as `out=` to `fsdp_post_all_gather`, and for a TP weight that is a DTensor; TE's quantized tensors use `out` as a quantized tensor (`'DTensor' object has no attribute '_quantizer'`) | missing (TE PR 2713, DTensor weights, unmerged) | the method's source never mentions DTensor | `ensure_post_all_gather_dtensor_out` |
+| FSDP2 + tensor parallel: from the second all-gather on, torch passes the existing unsharded parameter as `out=` to `fsdp_post_all_gather`, and for a TP weight that is a DTensor; TE's quantized tensors use `out` as a quantized tensor (`'DTensor' object has no attribute '_quantizer'`). Same call: for a weight FSDP shards along dim 1 (fc1 under TP) the gathered buffer arrives viewed as (world x rows, cols / world) and TE sets it as the weight's data | missing (TE PR 2713, DTensor weights, unmerged) | the method's source never mentions DTensor | `ensure_post_all_gather_dtensor_out` (`wrap_post_all_gather`) |
 | FusedAdam's fused FP8 kernel (delayed-scaling Float8Tensor params) rewrites the FP8 bytes in place but leaves the param's cached FP8 transpose valid; on Hopper the next backward's dgrad GEMM reads that stale transpose (the weights of the step the cache was made), so training drifts and a resume (fresh transpose) is not bitwise | missing in 2.20.2 | FusedAdam.step source never calls `_reset_caches` | `ensure_fused_adam_fp8_cache_reset` |
 
 Not a TE fix, but checked here too: FSDP2's one-rank shard mesh (torch 2.11:
@@ -409,16 +409,33 @@ def ensure_post_all_gather_dtensor_out() -> list[str]:
         if "DTensor" in source or "_local_tensor" in source:
             continue
 
-        def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None,
-                            _original=fn):
-            if isinstance(out, DTensor):
-                out = out._local_tensor
-            return _original(self, all_gather_outputs, metadata, param_dtype, out=out)
-
-        post_all_gather._te_compat_patched = True
-        cls.fsdp_post_all_gather = post_all_gather
+        cls.fsdp_post_all_gather = wrap_post_all_gather(fn)
         patched.append(cls.__name__)
     return patched
+
+
+def wrap_post_all_gather(fn):
+    """fsdp_post_all_gather that (1) takes a DTensor `out` by handing `fn` its local tensor and
+    (2) gives `fn` each gathered buffer in the shape of `out` when they hold the same number of
+    elements: torch views the gathered buffers with dim-0 semantics, (world * rows, cols /
+    world) for a weight FSDP shards along dim 1 (fc1 under TP), although the bytes already are
+    the row-major full tensor (torch's chunk-cat); TE would otherwise give the parameter that
+    shape from the second all-gather on. Buffers of another size (scales) pass unchanged."""
+
+    def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if isinstance(out, DTensor):
+            out = out._local_tensor
+        if out is not None:
+            shape = out.shape
+            all_gather_outputs = tuple(
+                t.view(shape) if t.numel() == out.numel() and t.shape != shape else t
+                for t in all_gather_outputs
+            )
+        return fn(self, all_gather_outputs, metadata, param_dtype, out=out)
+
+    post_all_gather._te_compat_patched = True
+    post_all_gather.__wrapped__ = fn
+    return post_all_gather
 
 
 def fsdp_one_rank_drops_extra_inputs() -> bool:

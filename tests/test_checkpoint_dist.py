@@ -508,3 +508,40 @@ def _amax_max_worker(rank, world_size):
 
 def test_delayed_scaling_state_saves_newest_amax_max_over_ranks():
     run_distributed(_amax_max_worker, 2)
+
+
+# -- fsdp_post_all_gather wrapper (TE quantized weights under FSDP2 x TP) --------------------
+
+
+def _post_all_gather_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from checkpoint.te_compat import wrap_post_all_gather
+
+    seen = {}
+
+    def te_like(self, outputs, metadata, dtype, *, out=None):
+        seen["out"], seen["outputs"] = out, outputs
+        return out, outputs
+
+    wrapped = wrap_post_all_gather(te_like)
+    full = torch.arange(24.0).view(4, 6)  # the weight: 4 rows x 6 columns
+    # What torch hands over for a weight FSDP shards along dim 1 over 2 ranks: the row-major
+    # full bytes (chunk-cat), viewed with dim-0 semantics as (2 x 4, 6 / 2).
+    gathered = full.reshape(-1).view(8, 3)
+    scales = torch.ones(5)
+    local = torch.zeros(4, 6)
+    out = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Shard(0)])
+    wrapped(None, (gathered, scales), None, torch.float32, out=out)
+    assert seen["out"] is out._local_tensor  # TE gets the local tensor of a TP DTensor
+    assert seen["outputs"][0].shape == (4, 6) and torch.equal(seen["outputs"][0], full)
+    assert seen["outputs"][1] is scales  # another size: unchanged
+    wrapped(None, (full,), None, torch.float32, out=local)  # dim-0 sharding: already right
+    assert seen["outputs"][0] is full
+    wrapped(None, (gathered,), None, torch.float32)  # first all-gather: no out, untouched
+    assert seen["out"] is None and seen["outputs"][0] is gathered
+
+
+def test_post_all_gather_wrapper_takes_dtensor_out_and_dim1_gathers():
+    run_distributed(_post_all_gather_worker, 1)
