@@ -9,7 +9,9 @@ decision 7): each failure is a `ConfigError` whose text is one line naming the f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -107,6 +109,20 @@ def register_configs() -> None:
         ("logger", LoggerConfig),
     ]:
         cs.store(group=group, name=f"base_{group}", node=node)
+
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def compose_config(overrides: Sequence[str] = ()) -> Config:
+    """The Config `python train.py <overrides>` runs with (Hydra's compose API over conf/), for
+    tools and tests that run or inspect configs in-process. Not validated."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
 
 
 IMPLS = ("auto", "te", "torch")

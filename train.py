@@ -66,6 +66,37 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def build_parallel_model(mcfg, impl: str, recipe, dims: ParallelDims, device: torch.device,
+                         seed: int):
+    """Steps 3-5 of `run`, shared with tools/gpu_parallel_check.py. Returns the model and the
+    amax-reduction group of its per-tensor-scaled weights (None: no reduction).
+
+    3. Model on the meta device: no memory until the layout is known. TE fixes that the
+       installed TE lacks are patched in first (each detected by feature, checkpoint/te_compat.py).
+    4. Parallelize from outside the model: TP first, then FSDP2 (order in parallel/).
+    5. Materialize and initialize from the seed: same weights for every impl and layout.
+       Quantized parameters are cast from those values afterwards, with per-tensor amax
+       reduced over exactly the ranks that hold pieces of each weight (never dp_replicate),
+       and the weight quantizers get that group before step 1.
+    """
+    te_kwargs = {}
+    if impl == "te":
+        te_compat.apply_all()
+        te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
+                         sequence_parallel=dims.sequence_parallel,
+                         bf16_layers=tuple(sorted(recipe.bf16_layer_ids)))
+    with torch.device("meta"), recipe.quantized_init_context():
+        model = build_model(mcfg, impl, **te_kwargs)
+    model = parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
+    model.to_empty(device=device)
+    model.reset_buffers()
+    init_weights(model, mcfg, seed)
+    weight_amax_group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
+    recipe.quantize_weights(model, weight_amax_group)
+    recipe.init_weight_quantizers(model, weight_amax_group)
+    return model, weight_amax_group
+
+
 class StopSignal:
     """Turns SIGUSR1 (Slurm's early warning) and SIGTERM (preemption) into a flag the loop
     checks at log steps (where it syncs anyway), so every rank stops after the same step and
@@ -111,29 +142,9 @@ def run(cfg: Config) -> int:
     dims.build_mesh(device.type)
     torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
 
-    # 3. Model on the meta device: no memory until the layout is known. TE fixes that the
-    #    installed TE lacks are patched in first (each detected by feature, checkpoint/te_compat.py).
-    te_kwargs = {}
-    if impl == "te":
-        te_compat.apply_all()
-        te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
-                         sequence_parallel=cfg.parallel.sequence_parallel and dims.tp > 1,
-                         bf16_layers=tuple(sorted(recipe.bf16_layer_ids)))
-    with torch.device("meta"), recipe.quantized_init_context():
-        model = build_model(cfg.model, impl, **te_kwargs)
-
-    # 4. Parallelize from outside the model: TP first, then FSDP2 (order in parallel/).
-    model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=device.type == "cuda")
-
-    # 5. Materialize and initialize from the seed: same weights for every impl and layout.
-    #    Quantized parameters are cast from those values afterwards, with per-tensor amax
-    #    reduced over exactly the ranks that hold pieces of each weight (never dp_replicate).
-    model.to_empty(device=device)
-    model.reset_buffers()
-    init_weights(model, cfg.model, cfg.train.seed)
-    weight_amax_group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
-    recipe.quantize_weights(model, weight_amax_group)
-    recipe.init_weight_quantizers(model, weight_amax_group)  # group in place from step 1
+    # 3-5. Model: meta build, parallelize, materialize, initialize, quantize.
+    model, weight_amax_group = build_parallel_model(cfg.model, impl, recipe, dims, device,
+                                                    cfg.train.seed)
 
     # 6. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
     #    seeded from the exact pre-quantization values).
@@ -207,10 +218,12 @@ def run(cfg: Config) -> int:
             if dims.dp_group is not None:  # mean over data-parallel ranks (TP ranks agree)
                 dist.all_reduce(step_loss, group=dims.dp_group)
                 step_loss /= dims.dp_size
+            # The one host sync per log step (loss and grad norm together); the clock is read
+            # after it, so the interval covers the GPU work of its steps.
+            loss_value, norm_value = torch.stack([step_loss.float(), grad_norm.float()]).tolist()
             now = time.perf_counter()
-            loss_value = step_loss.item()  # the one host sync per log step
             tps = tokens_per_step * (step - step_last) / (now - t_last)
-            record = dict(step=step, loss=loss_value, grad_norm=grad_norm.item(),
+            record = dict(step=step, loss=loss_value, grad_norm=norm_value,
                           lr=scheduler.get_last_lr()[0], tokens_seen=train_state.tokens_seen,
                           tokens_per_s=tps, tokens_per_s_per_device=tps / world_size,
                           mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,

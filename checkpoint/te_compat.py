@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from recipes.amax import local_tensor
+
 log = logging.getLogger(__name__)
 
 _PATCHED: dict[str, bool] = {}
@@ -95,7 +97,7 @@ def check_quantized_checkpointing(model: torch.nn.Module) -> None:
     if not te_importable():
         return
     qcls = _quantized_tensor_cls()
-    has_quantized = any(isinstance(_local(p), qcls) for p in model.parameters())
+    has_quantized = any(isinstance(local_tensor(p), qcls) for p in model.parameters())
     if has_quantized and not quantized_staging_supported():
         from config import ConfigError
 
@@ -104,10 +106,6 @@ def check_quantized_checkpointing(model: torch.nn.Module) -> None:
             "quantized weights to CPU by dequantizing (needs TE >= 2.16, PR "
             "2974); upgrade TE or set recipe.quantized_init=false"
         )
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 # -- 3. DTensor optimizer states ------------------------------------------------------------
@@ -350,7 +348,7 @@ def reset_fp8_weight_caches(optimizer: torch.optim.Optimizer) -> int:
     count = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            local = _local(p)
+            local = local_tensor(p)
             quantizer = getattr(local, "_quantizer", None)
             if type(quantizer).__name__ == "Float8Quantizer" and hasattr(local, "_reset_caches"):
                 local._reset_caches()

@@ -101,7 +101,6 @@ class PackedLoader(_Position):
         if n < self.global_batch_size:
             raise self._too_small(n)
         self.samples_per_epoch = n
-        self.num_tokens = len(tokens)
         self._samples = tokens[: n * self.sample_len].reshape(n, self.sample_len)
         self._shuffle = shuffle
         self._seed = shuffle_seed

@@ -111,7 +111,7 @@ class ParallelDims:
 
     def validate_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
         """Sequence parallelism splits each sequence over the tp ranks."""
-        if self.tp > 1 and self.cfg.sequence_parallel and seq_len % self.tp:
+        if self.sequence_parallel and seq_len % self.tp:
             _fail(f"{field}={seq_len} is not divisible by parallel.tp={self.tp}, which sequence "
                   f"parallelism needs; change it or set parallel.sequence_parallel=false")
 
@@ -135,8 +135,9 @@ class ParallelDims:
         return self.rank % self.tp
 
     @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism is on: asked for and tp > 1."""
+        return self.cfg.sequence_parallel and self.tp > 1
 
     @property
     def tp_enabled(self) -> bool:

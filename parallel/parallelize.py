@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, impl
         if impl == "te":
             from parallel.te_tp import apply_te_tp
 
-            apply_te_tp(model, dims.tp_mesh, sequence_parallel=pcfg.sequence_parallel,
+            apply_te_tp(model, dims.tp_mesh, sequence_parallel=dims.sequence_parallel,
                         weight_mesh=dims.weight_shard_mesh)
         else:
             from parallel.tp import apply_reference_tp

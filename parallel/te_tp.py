@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parallel.tp import (
     FC1,
-    _contiguous_stride,
     _distribute_module_params,
     column_output_input,
     head_weight_local,
@@ -55,11 +54,7 @@ def set_te_device_mesh(module: nn.Module, prefix: str, tp_mesh, *, weight_mesh=N
         for name, p in list(module.named_parameters(recurse=False)):
             want = placement_for(f"{prefix}.{name}")
             if isinstance(p, DTensor) and want == FC1 and p.placements != (FC1,):
-                local = p.to_local()
-                shape = p.shape
-                dt = DTensor.from_local(local, tp_mesh, [FC1], run_check=False, shape=shape,
-                                        stride=_contiguous_stride(shape))
-                module._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                module._parameters[name] = local_to_dtensor_param(p.to_local(), tp_mesh, FC1)
         return
     grad_placements = {}
     for name, p in list(module.named_parameters(recurse=False)):
@@ -75,9 +70,9 @@ def apply_te_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool, weight_me
     if getattr(model, "tp_size", 1) != tp:
         raise ValueError(f"TE model was built with tp_size={getattr(model, 'tp_size', 1)} but the "
                          f"mesh has tp={tp}; pass tp_group=dims.tp_group to build_model")
-    # The model decides (sequence_parallel is only on when tp > 1); the hooks must agree.
+    # The model was built with the flag (ParallelDims.sequence_parallel); the hooks must agree.
     sp = bool(getattr(model, "sequence_parallel", False))
-    if sp != (sequence_parallel and tp > 1):
+    if sp != sequence_parallel:
         raise ValueError(f"TE model sequence_parallel={sp} but parallel.sequence_parallel="
                          f"{sequence_parallel}; build the model with the config's value")
     group = tp_mesh.get_group()

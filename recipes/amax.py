@@ -42,8 +42,9 @@ So `set_weight_amax_groups` must run (1) after quantized weights exist and befor
 re-quantizes them (our seeded init, a checkpoint load), and (2) before every optimizer step,
 because each FSDP2 all-gather resets the tensors' group to dp_shard only, which drops tp. The
 module weight quantizers (used at every forward when weights are not quantized_init) exist only
-after the first forward under autocast unless the model was built with quantized_init, so (2)
-also covers them from the second step on. It is a loop over the TE weights (attribute writes
+after the first forward under autocast unless the model was built with quantized_init:
+`create_weight_quantizers` (Recipe.init_weight_quantizers, at start-up) makes them up front so
+the group holds from step 1. The per-step call is a loop over the TE weights (attribute writes
 only, no communication).
 """
 

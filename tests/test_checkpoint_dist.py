@@ -438,24 +438,16 @@ def _legacy_load(rank, world_size, run_dir):
     optimizer = LegacyAdamW(model.parameters(), lr=1e-3)
     _, _, _, state = build_training(model, loader)
     state["optimizer"].optimizer = optimizer
-    ckpt = CheckpointManager(
-        CheckpointConfig(mode="none", resume=f"{run_dir}/fixed"),
-        Path(run_dir),
-        rank,
-        world_size,
-        log=lambda m: None,
-    )
+    def manager(resume: str) -> CheckpointManager:
+        return CheckpointManager(CheckpointConfig(mode="none", resume=resume), Path(run_dir),
+                                 rank, world_size, log=lambda m: None)
+
+    ckpt = manager(f"{run_dir}/fixed")
     assert ckpt.resume(state) == 2
     want = torch.load(Path(run_dir) / "full.pt", weights_only=False)
     got = gathered_optimizer_states(model, optimizer)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    ckpt = CheckpointManager(
-        CheckpointConfig(mode="none", resume=f"{run_dir}/unfixed"),
-        Path(run_dir),
-        rank,
-        world_size,
-        log=lambda m: None,
-    )
+    ckpt = manager(f"{run_dir}/unfixed")
     try:
         ckpt.resume(state)
     except ConfigError as e:

@@ -9,20 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from config import ConfigError, register_configs
+from config import ConfigError, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
-register_configs()
 
 
 def load(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+    return compose_config(overrides)
 
 
 def check(*overrides: str, world_size: int = 1):

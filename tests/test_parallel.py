@@ -7,12 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from config import ConfigError, register_configs
+from config import ConfigError, compose_config
 from model.config import ModelConfig
 from model.llama import Llama
 from parallel import ParallelConfig, ParallelDims, parallelize
@@ -20,12 +18,10 @@ from parallel.tp import placement_for
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-register_configs()
 
 
 def layout(name: str) -> ParallelConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=[f"parallel={name}"])).parallel
+    return compose_config([f"parallel={name}"]).parallel
 
 
 def fails(pcfg: ParallelConfig, world: int, *fields: str, mcfg: ModelConfig | None = None) -> str:

@@ -29,11 +29,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import recipes
-from config import ConfigError, register_configs
+from config import ConfigError, compose_config
 from recipes import (
     RecipeConfig,
     build_recipe,
@@ -53,7 +51,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
 H100 = "NVIDIA H100 80GB HBM3"
-register_configs()
 
 
 def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
@@ -262,8 +259,7 @@ TE_DEFAULTS = {
 
 
 def load_recipe(*overrides: str) -> RecipeConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides))).recipe
+    return compose_config(overrides).recipe
 
 
 @pytest.mark.parametrize("name", list(TE_DEFAULTS))

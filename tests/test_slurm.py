@@ -230,15 +230,9 @@ RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block", "mxfp8", "nvfp4"]
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+    from config import compose_config, validate, validate_batch
 
-    from config import register_configs, validate, validate_batch
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = OmegaConf.to_object(hydra_compose(config_name="config", overrides=overrides))
+    cfg = compose_config(overrides)
     validate(cfg)
     return cfg, validate_batch
 

@@ -14,30 +14,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from logger import read_metrics  # noqa: E402
+from tools.resume_check import launch  # noqa: E402
+
 SM90_RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 
 
 def run_one(recipe: str, quantized: bool, steps: int, log_every: int, extra: list[str],
             root: Path) -> tuple[list[dict], str]:
     name = f"{recipe}{'-qinit' if quantized else ''}"
-    cmd = [sys.executable, "train.py", "model=small", f"recipe={recipe}",
-           f"recipe.quantized_init={str(quantized).lower()}", f"train.steps={steps}",
-           f"train.log_every={log_every}", "train.global_batch_size=32",
-           "data.seq_len=1024", "checkpoint=none",
-           f"run.root={root}", f"run.name={name}", *extra]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    args = ["model=small", f"recipe={recipe}", f"recipe.quantized_init={str(quantized).lower()}",
+            f"train.steps={steps}", f"train.log_every={log_every}", "train.global_batch_size=32",
+            "data.seq_len=1024", "checkpoint=none", f"run.root={root}", f"run.name={name}",
+            *extra]
+    r = launch(1, args)
     if r.returncode != 0:
         return [], (r.stderr.strip().splitlines() or ["failed"])[-1]
-    path = root / name / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()], ""
+    return read_metrics(root / name / "metrics.jsonl"), ""
 
 
 def main() -> None:

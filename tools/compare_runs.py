@@ -42,6 +42,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Runs as a script too (`python tools/compare_runs.py`): the repository root holds logger.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 Run = dict[int, dict]
 
 #: entity/project/run_id (wandb names: letters, digits, '-', '_', '.').
@@ -78,16 +81,11 @@ def load_run(path: str | Path) -> Run:
 
 def read_metrics_jsonl(path: Path) -> Run:
     """One record per line with a `step`; a later record for a step replaces an earlier one,
-    and a line cut short by a killed run is skipped."""
-    run: Run = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            run[int(record["step"])] = {k: v for k, v in record.items() if k != "step"}
-    return run
+    and a line cut short by a killed run is skipped (logger.read_metrics)."""
+    from logger import read_metrics
+
+    return {int(r["step"]): {k: v for k, v in r.items() if k != "step"}
+            for r in read_metrics(path) if isinstance(r, dict) and "step" in r}
 
 
 def read_wandb_online(run_path: str) -> Run:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -36,25 +37,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint import te_compat  # noqa: E402
-from config import ConfigError, OptimConfig  # noqa: E402
-from model import build_model, init_weights  # noqa: E402
+from config import ConfigError, OptimConfig, compose_config  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.init import full_init_value  # noqa: E402
 from optim import build_optimizer, clip_grad_norm  # noqa: E402
-from parallel import ParallelConfig, ParallelDims, parallelize  # noqa: E402
+from parallel import ParallelConfig, ParallelDims  # noqa: E402
 from parallel.dcp import local_global_indices  # noqa: E402
+from parallel.dims import LAYOUTS  # noqa: E402
 from recipes import build_recipe  # noqa: E402
 from recipes.config import RecipeConfig  # noqa: E402
+from train import build_parallel_model  # noqa: E402
 
-LAYOUTS = {
-    "fsdp": dict(dp_shard=-1),
-    "hsdp": dict(dp_replicate=2, dp_shard=-1),
-    "ddp": dict(dp_replicate=-1, dp_shard=1),
-    "tp": dict(dp_shard=1, tp=-1),
-    "fsdp_tp": dict(dp_shard=-1, tp=2),
-    "hsdp_tp": dict(dp_replicate=2, dp_shard=-1, tp=2),
-}
 #: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
 #: change the order of bf16 sums (TP partial sums, reduce-scatter) and FP8 scales are per
 #: shard of activations under SP, so the curves agree to rounding, not bitwise.
@@ -78,30 +71,15 @@ def batches(cfg: ModelConfig, steps: int, global_batch: int, seq: int) -> torch.
     return (start + stride * torch.arange(seq + 1)) % cfg.vocab_size
 
 
-def build(cfg, recipe, dims, pcfg, device):
-    te_kwargs = {}
-    if dims is not None and dims.mesh is not None:
-        te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
-                         sequence_parallel=pcfg.sequence_parallel and dims.tp > 1)
-    te_kwargs["bf16_layers"] = tuple(sorted(recipe.bf16_layer_ids))
-    with torch.device("meta"), recipe.quantized_init_context():
-        model = build_model(cfg, "te", **te_kwargs)
-    if dims is not None:
-        model = parallelize(model, dims, pcfg, "te", mixed_precision=True)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    init_weights(model, cfg, SEED)
-    group = None
-    if dims is not None and dims.mesh is not None:
-        group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
-    recipe.quantize_weights(model, group)
-    recipe.init_weight_quantizers(model, group)
-    return model, group
+def build(cfg, recipe, dims, device):
+    """The model exactly as train.py builds it; dims None: the one-GPU reference (no mesh)."""
+    return build_parallel_model(cfg, "te", recipe, dims or ParallelDims(ParallelConfig(), 1),
+                                device, SEED)
 
 
-def train_curve(cfg, recipe_name, dims, pcfg, device, data, lr) -> list[float]:
+def train_curve(cfg, recipe_name, dims, device, data, lr) -> list[float]:
     recipe = build_recipe(RecipeConfig(name=recipe_name), cfg.n_layers)
-    model, group = build(cfg, recipe, dims, pcfg, device)
+    model, group = build(cfg, recipe, dims, device)
     opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.1), "te",
                           recipe.fused_adam_kwargs())
     dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
@@ -162,11 +140,11 @@ def _compare_weight(cfg, module, mod_name, pname, device) -> dict:
 
 
 @torch.no_grad()
-def fp8_allgather_check(cfg, dims, pcfg, device) -> list[dict]:
+def fp8_allgather_check(cfg, dims, device) -> list[dict]:
     """After FSDP2 all-gathers block 0 from its FP8 shards, each FP8 weight equals the FP8
     cast of the full weight on one GPU."""
     recipe = build_recipe(RecipeConfig(name="fp8_cs", quantized_init=True), cfg.n_layers)
-    model, _ = build(cfg, recipe, dims, pcfg, device)
+    model, _ = build(cfg, recipe, dims, device)
     # One forward runs FSDP2's lazy init, which adopts the parameters quantize_weights swapped in.
     tokens = torch.zeros(max(1, dims.tp), 16 * dims.tp, dtype=torch.long, device=device)
     with torch.autocast("cuda", dtype=torch.bfloat16), recipe.autocast():
@@ -191,7 +169,7 @@ def fp8_allgather_check(cfg, dims, pcfg, device) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="conf/parallel options")
     ap.add_argument("--recipes", default="bf16,fp8_cs")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--global-batch", type=int, default=8)
@@ -208,18 +186,17 @@ def main() -> int:
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
-    te_compat.apply_all()  # the TE fixes train.py applies
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_cfg()
     data = batches(cfg, args.steps, args.global_batch, args.seq_len)
     recipes = args.recipes.split(",")
 
-    refs = {r: train_curve(cfg, r, None, None, device, data, args.lr) for r in recipes}
+    refs = {r: train_curve(cfg, r, None, device, data, args.lr) for r in recipes}
     results = {"world_size": world, "gpu": torch.cuda.get_device_name(device), "curves": [],
                "fp8_allgather": [], "reference": refs}
     for name in args.layouts.split(","):
-        pcfg = ParallelConfig(name=name, sequence_parallel=not args.no_sequence_parallel,
-                              **LAYOUTS[name])
+        pcfg = dataclasses.replace(compose_config([f"parallel={name}"]).parallel,
+                                   sequence_parallel=not args.no_sequence_parallel)
         try:
             dims = ParallelDims(pcfg, world)
             dims.validate_model(cfg)
@@ -232,7 +209,7 @@ def main() -> int:
             row = {"layout": name, "degrees": degrees, "recipe": r}
             t0 = time.time()
             try:
-                got = train_curve(cfg, r, dims, pcfg, device, data, args.lr)
+                got = train_curve(cfg, r, dims, device, data, args.lr)
                 rel = [abs(a - b) / abs(b) for a, b in zip(got, refs[r])]
                 row.update(losses=got, step1_rel=rel[0], max_rel=max(rel),
                            max_abs=max(abs(a - b) for a, b in zip(got, refs[r])),
@@ -245,7 +222,7 @@ def main() -> int:
             results["curves"].append(row)
         if "fp8_cs" in recipes and not args.no_fp8_check:
             try:
-                for row in fp8_allgather_check(cfg, dims, pcfg, device):
+                for row in fp8_allgather_check(cfg, dims, device):
                     results["fp8_allgather"].append({"layout": name, "degrees": degrees, **row})
             except Exception:
                 results["fp8_allgather"].append({"layout": name, "degrees": degrees, "ok": False,

@@ -112,9 +112,9 @@ scale_one() {
         parallel.dp_shard=2 run.name="$r-hsdp" > "$OUT/scale_$r-hsdp.log" 2>&1 || return 1
     local to
     for to in fsdp_tp fsdp2; do
-        cp -r "$root/$r-hsdp" "$root/$r-hsdp-to-$to"
-        find "$root/$r-hsdp-to-$to/checkpoints" -mindepth 1 -maxdepth 1 ! -name step_0000020 \
-            -exec rm -rf {} +
+        "$PY" -c "import sys; from pathlib import Path; from tools.resume_check import \
+keep_only_checkpoint as k; k(Path(sys.argv[1]), Path(sys.argv[2]), 20)" \
+            "$root/$r-hsdp" "$root/$r-hsdp-to-$to" || return 1
     done
     "${tr[@]}" --nproc_per_node=4 train.py "${common[@]}" parallel=fsdp_tp parallel.dp_shard=2 \
         parallel.tp=2 run.name="$r-fsdp_tp" > "$OUT/scale_$r-fsdp_tp.log" 2>&1 &

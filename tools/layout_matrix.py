@@ -39,24 +39,15 @@ VARIANTS = (("bf16", False), ("fp8_delayed", False), ("fp8_delayed", True), ("fp
             ("fp8_cs", True), ("fp8_block", False), ("fp8_block", True))
 
 
-def compose(overrides: list[str]):
-    """The Config train.py would get from these command-line overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_object(hydra_compose("config", overrides=overrides))
-
-
 def run_in_process(overrides: list[str]) -> tuple[int, float]:
     """train.run() on the composed config; returns its status and the seconds it took."""
     import torch
 
     import train
+    from config import compose_config
 
     t0 = time.perf_counter()
-    status = train.run(compose(overrides))
+    status = train.run(compose_config(overrides))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

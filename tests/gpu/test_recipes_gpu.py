@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from config import ConfigError, register_configs
+from config import ConfigError, compose_config
 from model import te_available
 from recipes import (
     WEIGHT_TYPES,
@@ -43,12 +41,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SM90 = ("fp8_delayed", "fp8_cs", "fp8_block")
 QUANTIZED = (*SM90, "mxfp8", "nvfp4")
 DIM, FFN = 256, 512
-register_configs()
 
 
 def load_recipe(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides))).recipe
+    return compose_config(overrides).recipe
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
