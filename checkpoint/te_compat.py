@@ -8,7 +8,7 @@ CPU runs and the reference model never touch it.
 | fix | upstream | detect | ours |
 | --- | --- | --- | --- |
 | empty `untyped_storage` on QuantizedTensor: FSDP2's reset_sharded_param after a DCP load compares storages and crashes on the wrapper subclass | TE PR 2974 (in 2.20) | `QuantizedTensor` defines `untyped_storage` | `ensure_quantized_tensor_storage` |
-| QuantizedTensor copies to CPU keeping its type (DCP staging without dequantizing) | TE PR 2974 (in 2.20) | `.cpu()` of a quantized tensor stays quantized | `quantized_staging_supported` (checked, no patch: raises a clear error) |
+| QuantizedTensor copies to CPU keeping its type (DCP staging without dequantizing) | TE PR 2974 (in 2.20) | `.cpu()` of a quantized tensor stays quantized | `quantized_staging_supported` (asserted by tests/gpu; no patch) |
 | FusedAdam states are DTensors for DTensor params, so they reshard | TE PR 2795 (in 2.20) | per state entry, at save | `optimizer_states_as_dtensors` / `optimizer_states_to_local` |
 | DelayedScaling amax history + scales through DCP under FSDP2 (`_extra_state` does not load) | missing (TE issue 1860) | modules with delayed-scaling `fp8_meta` | `delayed_scaling_state` (TEScalingState) |
 | amax reduction group of current-scaling / NVFP4 weight shards when the param mesh has 2+ dims (FSDP x TP, HSDP): TE looks up the dim named "shard" (ours: dp_shard) and raises | missing (PR 2974 added NVFP4 to the 1-D case) | reset_parameters source asks for `mesh_dim="shard"` | `ensure_shard_amax_group` |
@@ -89,23 +89,6 @@ def quantized_staging_supported() -> bool:
     q = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cuda"))
     x = q(torch.ones(16, 16, device="cuda"))
     return isinstance(x.cpu(), _quantized_tensor_cls())
-
-
-def check_quantized_checkpointing(model: torch.nn.Module) -> None:
-    """Raise a one-line error when the model has quantized parameters and the installed TE
-    would dequantize them on checkpoint staging (silently saving high precision)."""
-    if not te_importable():
-        return
-    qcls = _quantized_tensor_cls()
-    has_quantized = any(isinstance(local_tensor(p), qcls) for p in model.parameters())
-    if has_quantized and not quantized_staging_supported():
-        from config import ConfigError
-
-        raise ConfigError(
-            "recipe.quantized_init=true: the installed TransformerEngine copies "
-            "quantized weights to CPU by dequantizing (needs TE >= 2.16, PR "
-            "2974); upgrade TE or set recipe.quantized_init=false"
-        )
 
 
 # -- 3. DTensor optimizer states ------------------------------------------------------------
