@@ -54,7 +54,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
         raise ConfigError("model.impl=te needs a CUDA GPU and transformer_engine "
                           "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto")
     check_recipe(cfg.recipe, impl, device)
-    check_recipe_layout(cfg.recipe, world_size, dims.dp_shard, dims.tp)
+    check_recipe_layout(cfg.recipe, cfg.model, world_size, dims.dp_shard, dims.tp)
     return dims, grad_accum, impl
 
 

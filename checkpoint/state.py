@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint import te_compat
+from recipes.quantized import requantize_from_masters
 
 #: Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") do not depend on
 #: how parameters are grouped, which keeps resharded loads simple.
@@ -106,6 +107,9 @@ class OptimizerState(Stateful):
         sd = dict(sd)
         te_compat.optimizer_states_to_local(sd, self._wrapped)
         set_optimizer_state_dict(self.model, self.optimizer, sd, options=_OPTIM_OPTIONS)
+        # Block-scaled quantized weights: rebuilt from the masters just loaded (the model
+        # loads first; DCP calls load_state_dict in state-dict order).
+        requantize_from_masters(self.optimizer)
 
 
 class ObjectState(Stateful):

@@ -15,11 +15,13 @@ CPU runs and the reference model never touch it.
 | FSDP2 + tensor parallel: from the second all-gather on, torch passes the existing unsharded parameter as `out=` to `fsdp_post_all_gather`, and for a TP weight that is a DTensor; TE's quantized tensors use `out` as a quantized tensor (`'DTensor' object has no attribute '_quantizer'`). Same call: for a weight FSDP shards along dim 1 (fc1 under TP) the gathered buffer arrives viewed as (world x rows, cols / world) and TE sets it as the weight's data | missing (TE PR 2713, DTensor weights, unmerged) | the method's source never mentions DTensor | `ensure_post_all_gather_dtensor_out` (`wrap_post_all_gather`) |
 | FusedAdam's fused FP8 kernel (delayed-scaling Float8Tensor params) rewrites the FP8 bytes in place but leaves the param's cached FP8 transpose valid; on Hopper the next backward's dgrad GEMM reads that stale transpose (the weights of the step the cache was made), so training drifts and a resume (fresh transpose) is not bitwise | missing in 2.20.2 | FusedAdam.step source never calls `_reset_caches` | `ensure_fused_adam_fp8_cache_reset` |
 
-Not a TE fix, but checked here too: FSDP2's one-rank shard mesh (torch 2.11:
-`FSDPParamGroup.wait_for_unshard` skips the all-gather and passes only `all_gather_inputs[0]`
-to `fsdp_post_all_gather`) breaks quantized weights that all-gather more than one tensor (FP8
-block, MXFP8, NVFP4 data + scales). `fsdp_one_rank_drops_extra_inputs` detects it; the config
-check refuses those recipes with quantized_init on layouts with dp_shard=1 (recipes/recipe.py).
+Two torch FSDP2 gaps for weights that all-gather more than one tensor (FP8 blocks, MXFP8,
+NVFP4: data + scales), fixed here too:
+
+| gap | detect | ours |
+| --- | --- | --- |
+| one-rank shard mesh (dp_shard = 1 on several processes: ddp, tp, hsdp_tp 2x1x2): `FSDPParamGroup.wait_for_unshard` skips the all-gather and hands only `all_gather_inputs[0]` to `fsdp_post_all_gather` (`ValueError: not enough values to unpack`) | that method's source takes `all_gather_inputs[0]` | `ensure_one_rank_keeps_all_inputs` |
+| weight sharded along dim 1 (fc1 under TP, parallel/tp.py): the copy-out chunk-cats every output viewed in the weight's shard shape, which scales do not have (`shape '[3072, 256]' is invalid for input of size 96`) | `foreach_all_gather_copy_out` source chunk-cats by `padded_sharded_param_size` | `ensure_dim1_block_gather`: FP8 128x128 blocks gathered in dim-0 order, regrouped before TE's post-all-gather (`regroup_dim1_blocks`); MXFP8 / NVFP4 scale layouts along dim 1 are not handled, and the config check refuses them there (recipes/recipe.py) |
 """
 
 from __future__ import annotations
@@ -419,6 +421,9 @@ def wrap_post_all_gather(fn):
     return post_all_gather
 
 
+# -- 8. FSDP2 with weights that all-gather several tensors (data + block scales) ----------
+
+
 def fsdp_one_rank_drops_extra_inputs() -> bool:
     """Whether FSDP2's one-rank shard path hands only the first all-gather input of a tensor
     subclass to its fsdp_post_all_gather (see the module docstring)."""
@@ -431,6 +436,194 @@ def fsdp_one_rank_drops_extra_inputs() -> bool:
     return "all_gather_inputs[0]" in source
 
 
+def _one_rank(group) -> bool:
+    """The condition of torch's one-rank path in wait_for_unshard: no shard group of more
+    than one rank."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    if not isinstance(group.mesh_info, FSDPMeshInfo):
+        return True
+    return group._all_gather_process_group.size() == 1
+
+
+def _multi_input(fsdp_param) -> bool:
+    return hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+
+
+def _copy_every_input(group) -> None:
+    """The one-rank unshard done for every all-gather input of every multi-tensor parameter:
+    each output is a copy of its input (this rank holds the whole weight). torch's path then
+    copies the first input again and finds the outputs already sized."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import alloc_storage
+
+    for fsdp_param in group.fsdp_params:
+        if not _multi_input(fsdp_param):
+            continue
+        inputs = fsdp_param.all_gather_inputs
+        if len(inputs) < 2:
+            continue
+        fsdp_param.init_all_gather_outputs(
+            [t.numel() for t in inputs], [t.dtype for t in inputs], 1, group.device
+        )
+        for out, inp in zip(fsdp_param.all_gather_outputs, inputs):
+            alloc_storage(out)
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(inp.reshape(-1))
+
+
+def ensure_one_rank_keeps_all_inputs() -> bool:
+    """Patch FSDP2's one-rank unshard so a multi-tensor weight gets all its inputs, where
+    torch drops them (fsdp_one_rank_drops_extra_inputs). True if patched."""
+    if not fsdp_one_rank_drops_extra_inputs():
+        return False
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    orig = FSDPParamGroup.wait_for_unshard
+    if getattr(orig, "_te_compat_patched", False):
+        return True
+
+    def wait_for_unshard(self):
+        if self._all_gather_result and _one_rank(self):
+            _copy_every_input(self)
+        return orig(self)
+
+    wait_for_unshard._te_compat_patched = True
+    wait_for_unshard.__wrapped__ = orig
+    FSDPParamGroup.wait_for_unshard = wait_for_unshard
+    _PATCHED["one_rank_inputs"] = True
+    return True
+
+
+#: Tensor classes whose dim-1 shards this module regroups: class -> fn(sharded tensor) ->
+#: (columns per scale block, multiple the scale columns are padded to).
+_DIM1_BLOCK_LAYOUT: dict[type, Any] = {}
+
+
+def regroup_dim1_blocks(data, scale, world: int, block: int, pad: int):
+    """Turn all-gathered dim-1 shards of a row-wise block-scaled weight into the full weight.
+
+    data: (world * R, c), the shards' (R, c) data one after the other (dim-0 order); scale:
+    (world * S, p), their (S, p) scales, p = c / block rounded up to `pad`. Returns the full
+    (R, world * c) data and (S, world * c / block rounded up to pad) scales (padding zero),
+    written over the same buffers (views of them), so FSDP2 frees them as usual. c must be a
+    multiple of `block` (each shard holds whole blocks); the config check ensures it.
+    """
+    rows, cols = data.shape[0] // world, data.shape[1]
+    if cols % block:
+        raise ValueError(f"shard width {cols} is not a multiple of the scale block {block}")
+    srows, sp = scale.shape[0] // world, scale.shape[1]
+    blocks = cols // block
+    full_sp = -(-world * blocks // pad) * pad
+    shards = data.clone().view(world, rows, cols)
+    full = data.view(-1).view(rows, world * cols)
+    full.view(rows, world, cols).copy_(shards.transpose(0, 1))
+    scale_shards = scale.clone().view(world, srows, sp)[:, :, :blocks]
+    full_scale = scale.view(-1)[: srows * full_sp].view(srows, full_sp)
+    full_scale[:, world * blocks:].zero_()
+    full_scale[:, : world * blocks].view(srows, world, blocks).copy_(scale_shards.transpose(0, 1))
+    return full, full_scale
+
+
+def _dim1_params(fsdp_params):
+    for fsdp_param in fsdp_params:
+        if fsdp_param.fsdp_placement.dim == 0 or not _multi_input(fsdp_param):
+            continue
+        if type(fsdp_param._sharded_local_tensor) in _DIM1_BLOCK_LAYOUT:
+            yield fsdp_param
+
+
+def wrap_dim1_copy_out(copy_out):
+    """FSDP2's all-gather copy-out that leaves registered block-scaled weights sharded along
+    dim 1 in dim-0 order (torch's chunk-cat would view the scales in the weight's shape) and
+    tells their fsdp_post_all_gather to regroup them."""
+
+    def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
+        from torch.distributed.tensor import Shard
+
+        swapped = []
+        for fsdp_param in _dim1_params(fsdp_params):
+            swapped.append((fsdp_param, fsdp_param.fsdp_placement))
+            fsdp_param.fsdp_placement = Shard(0)
+            fsdp_param._sharded_local_tensor._te_compat_gathered_world = group.size()
+        try:
+            return copy_out(all_gather_result, fsdp_params, group)
+        finally:
+            for fsdp_param, placement in swapped:
+                fsdp_param.fsdp_placement = placement
+
+    foreach_all_gather_copy_out._te_compat_patched = True
+    foreach_all_gather_copy_out.__wrapped__ = copy_out
+    return foreach_all_gather_copy_out
+
+
+def wrap_dim1_post_all_gather(fn, layout):
+    """fsdp_post_all_gather that first regroups dim-1 shards gathered in dim-0 order."""
+
+    def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        world = vars(self).pop("_te_compat_gathered_world", None)
+        if world is None or world == 1:
+            return fn(self, all_gather_outputs, metadata, param_dtype, out=out)
+        block, pad = layout(self)
+        data, scale = regroup_dim1_blocks(*all_gather_outputs[:2], world, block, pad)
+        result = fn(self, (data, scale, *all_gather_outputs[2:]), metadata, param_dtype, out=out)
+        if out is not None:
+            return result
+        # FSDP2 frees and re-allocates the returned inner tensors' storage around each
+        # all-gather, to their own size: hand back the whole buffers, not the regrouped views
+        # (the full scales are shorter than the gathered ones, and would shrink the buffer).
+        return result[0], tuple(all_gather_outputs)
+
+    post_all_gather._te_compat_patched = True
+    post_all_gather.__wrapped__ = fn
+    return post_all_gather
+
+
+def fsdp_dim1_needs_regroup() -> bool:
+    """Whether FSDP2's copy-out views every all-gather output of a dim-1-sharded parameter in
+    the parameter's shard shape (so scales of another size cannot pass)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+        source = inspect.getsource(_fsdp_collectives.foreach_all_gather_copy_out)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    return "fsdp_placement.dim != 0" in source and "padded_sharded" in source
+
+
+def enable_dim1_block_gather(cls: type, layout) -> bool:
+    """Let FSDP2 shard `cls` weights along dim 1: its copy-out is wrapped once (process-wide),
+    `cls.fsdp_post_all_gather` regroups. layout(tensor) -> (block, pad) as in
+    regroup_dim1_blocks. True if enabled (False: this torch needs no regrouping)."""
+    if not fsdp_dim1_needs_regroup():
+        return False
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    current = _fsdp_param_group.foreach_all_gather_copy_out
+    if not getattr(current, "_te_compat_patched", False):
+        _fsdp_param_group.foreach_all_gather_copy_out = wrap_dim1_copy_out(current)
+    if cls not in _DIM1_BLOCK_LAYOUT:
+        cls.fsdp_post_all_gather = wrap_dim1_post_all_gather(cls.fsdp_post_all_gather, layout)
+        _DIM1_BLOCK_LAYOUT[cls] = layout
+    return True
+
+
+def _block_layout(tensor) -> tuple[int, int]:
+    # Float8BlockwiseQTensor with 128x128 blocks: rowwise scales (ceil(rows / 128), ceil(cols
+    # / 128) padded to a multiple of 4), TE's Float8BlockQuantizer.get_scale_shape.
+    return tensor._quantizer.block_len, 4
+
+
+def ensure_dim1_block_gather() -> bool:
+    """FP8 128x128-block weights sharded by FSDP2 along dim 1 (fc1 under TP)."""
+    if not te_importable():
+        return False
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
+        Float8BlockwiseQTensor,
+    )
+
+    return enable_dim1_block_gather(Float8BlockwiseQTensor, _block_layout)
+
+
 def apply_all(shard_dim: str = "dp_shard") -> dict[str, Any]:
     """Apply every process-wide fix (idempotent); the per-model ones run inside the
     checkpoint Statefuls. Returns what was patched, for logging."""
@@ -439,4 +632,6 @@ def apply_all(shard_dim: str = "dp_shard") -> dict[str, Any]:
         "shard_amax_group": ensure_shard_amax_group(shard_dim),
         "fused_adam_fp8_cache": ensure_fused_adam_fp8_cache_reset(),
         "post_all_gather_dtensor_out": ensure_post_all_gather_dtensor_out(),
+        "one_rank_inputs": ensure_one_rank_keeps_all_inputs(),
+        "dim1_block_gather": ensure_dim1_block_gather(),
     }

@@ -25,7 +25,8 @@ the seeded values' precision.
 Checkpoint layout: parameter names do not change. Quantized weights are saved by DCP as TE
 QuantizedTensor objects (their raw low-precision bytes and scales; TE 2.20 stages them to CPU
 without dequantizing); the fp32 values that matter for resuming are the optimizer's
-`master_param` states, saved as DTensors next to exp_avg / exp_avg_sq. Every TE module also
+`master_param` states, saved as DTensors next to exp_avg / exp_avg_sq. After a load,
+block-scaled weights are cast again from those masters (`requantize_from_masters`). Every TE module also
 has a `<module>._extra_state` entry: an empty uint8 tensor for the stateless recipes (fp8_cs,
 fp8_block, mxfp8, nvfp4) and pickled scale / amax history for fp8_delayed.
 """
@@ -190,4 +191,33 @@ def seed_master_weights(
         clear = getattr(local, "clear_high_precision_init_val", None)
         if clear is not None:
             clear()
+    return count
+
+
+def _is_block_scaled(tensor: torch.Tensor) -> bool:
+    # FP8 blocks, MXFP8, NVFP4 keep row-wise scales; per-tensor FP8 (Float8Tensor) one scale.
+    return _is_quantized(tensor) and hasattr(tensor, "_rowwise_scale_inv")
+
+
+@torch.no_grad()
+def requantize_from_masters(optimizer) -> int:
+    """Rebuild each block-scaled quantized parameter from its fp32 master, as FusedAdam's step
+    does for them (fused_adam.py:895-897, `quantize_(master)`), so the result is the bytes the
+    uninterrupted run holds. Call after loading a checkpoint; returns how many were rebuilt.
+
+    Their loaded bytes cannot be trusted: fc1 under TP is stored as two row blocks (parallel/
+    dcp.py) and TE dequantizes a partial slice of a block-scaled tensor, so that load lands in
+    a temporary; a run resumed on another layout may also cut other blocks. Per-tensor FP8
+    weights load their bytes exactly and are left alone (FusedAdam casts those in its fused
+    kernel, which for delayed scaling also feeds the amax history).
+    """
+    if not getattr(optimizer, "master_weights", False):
+        return 0
+    count = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            local = local_tensor(param)
+            if _is_block_scaled(local) and "master_param" in optimizer.state.get(param, {}):
+                local.quantize_(optimizer.get_unscaled_state(param, "master_param"))
+                count += 1
     return count

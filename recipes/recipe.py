@@ -206,31 +206,78 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
 MULTI_TENSOR_WEIGHTS = ("fp8_block", "mxfp8", "nvfp4")
 
 
-def check_recipe_layout(cfg: RecipeConfig, world_size: int, dp_shard: int, tp: int) -> None:
-    """Recipe x layout combinations that cannot work with the installed torch and TE. Raises
-    ConfigError. Both concern quantized weights that FSDP2 all-gathers as several tensors (data
-    + block scales): (1) FSDP2 on a one-rank shard mesh (dp_shard=1 with more than one process:
-    ddp, tp, hsdp_tp with dp_shard=1) skips the all-gather and hands TE only the first tensor
-    (checkpoint/te_compat.py, fsdp_one_rank_drops_extra_inputs); (2) under tensor parallelism
-    fc1 is sharded by FSDP along dim 1 (parallel/tp.py), and TE's block-scaled tensors
-    all-gather along dim 0 only."""
+def te_weight_shapes(mcfg) -> dict[str, tuple[int, int]]:
+    """Global (rows, cols) of the quantized weights of one block (fused QKV and gate/up)."""
+    hd = mcfg.head_dim
+    return {
+        "qkv": ((mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd, mcfg.dim),
+        "proj": (mcfg.dim, mcfg.n_heads * hd),
+        "fc1": (2 * mcfg.ffn_dim, mcfg.dim),
+        "fc2": (mcfg.dim, mcfg.ffn_dim),
+    }
+
+
+def fsdp_shard_extents(mcfg, dp_shard: int, tp: int) -> dict[str, tuple[str, int, int]]:
+    """Per weight: (which dim FSDP shards, that dim's tp-local size, FSDP shard size). TP
+    splits qkv and fc1 by rows, proj and fc2 by columns (parallel/tp.py); FSDP shards dim 0,
+    except fc1 under TP, which it shards along dim 1 (parallel/tp.py fsdp_shard_placement)."""
+    out = {}
+    for name, (rows, cols) in te_weight_shapes(mcfg).items():
+        local = [rows, cols]
+        local[0 if name in ("qkv", "fc1") else 1] //= tp
+        dim = 1 if (name == "fc1" and tp > 1) else 0
+        out[name] = (("rows", "columns")[dim], local[dim], -(-local[dim] // dp_shard))
+    return out
+
+
+def _weight_block(cfg: RecipeConfig) -> int:
+    """Length of a weight's scale block along the dim FSDP shards (TE's block sizes)."""
+    return {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16}[cfg.name]
+
+
+def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int, tp: int) -> None:
+    """Recipe x layout x model combinations that cannot work. Raises ConfigError.
+
+    All concern quantized weights that FSDP2 all-gathers as several tensors (data + block
+    scales) on more than one process. FSDP2's one-rank shard mesh and the dim-1 sharding of fc1
+    under TP need the fixes in checkpoint/te_compat.py; the second exists for FP8 128x128
+    blocks only, so MXFP8 / NVFP4 are refused where FSDP shards fc1 along dim 1. Each FSDP
+    shard must hold whole scale blocks, or the all-gathered scales do not describe the weight.
+    """
     if not (cfg.quantized_init and cfg.name in MULTI_TENSOR_WEIGHTS and world_size > 1):
         return
-    from checkpoint.te_compat import fsdp_one_rank_drops_extra_inputs
-
-    fix = "use recipe.quantized_init=false, or a layout without tp and with dp_shard > 1 (fsdp, hsdp)"
-    if tp > 1:
+    fix = "or use recipe.quantized_init=false"
+    if cfg.name == "fp8_block" and cfg.w_block_scaling_dim != 2:
+        raise _config_error(
+            f"recipe=fp8_block with recipe.quantized_init=true on {world_size} processes needs "
+            f"recipe.w_block_scaling_dim=2 (TE all-gathers only 128x128-block weights); set it, "
+            f"{fix}"
+        )
+    if cfg.name == "nvfp4" and cfg.disable_2d_quantization:
+        raise _config_error(
+            f"recipe=nvfp4 with recipe.quantized_init=true on {world_size} processes needs "
+            f"recipe.disable_2d_quantization=false (TE derives the all-gathered weight's "
+            f"transpose from 2-D blocks); set it, {fix}"
+        )
+    if dp_shard == 1:
+        return  # nothing is all-gathered
+    if tp > 1 and cfg.name != "fp8_block":
         raise _config_error(
             f"recipe={cfg.name} with recipe.quantized_init=true does not combine with "
-            f"parallel.tp={tp}: FSDP2 shards fc1's block-scaled weight along dim 1 under tensor "
-            f"parallelism, which TE's block-scaled all-gather cannot rebuild; {fix}"
+            f"parallel.tp={tp} and parallel.dp_shard={dp_shard}: FSDP2 shards fc1 along dim 1 "
+            f"under tensor parallelism, and only FP8 128x128 blocks are regrouped after that "
+            f"all-gather; use parallel.dp_shard=1 or parallel.tp=1, {fix}"
         )
-    if dp_shard == 1 and fsdp_one_rank_drops_extra_inputs():
-        raise _config_error(
-            f"recipe={cfg.name} with recipe.quantized_init=true needs parallel.dp_shard > 1 on "
-            f"{world_size} processes: this torch's FSDP2 skips the all-gather on a one-rank shard "
-            f"mesh and drops the weights' block scales; {fix}"
-        )
+    block = _weight_block(cfg)
+    for name, (axis, size, shard) in fsdp_shard_extents(mcfg, dp_shard, tp).items():
+        if size % dp_shard or shard % block:
+            raise _config_error(
+                f"recipe={cfg.name} with recipe.quantized_init=true: FSDP2 splits the {size} "
+                f"{axis} of each {name} weight (tp-local, parallel.tp={tp}) over "
+                f"parallel.dp_shard={dp_shard}, giving shards of {size / dp_shard:g} {axis}; each "
+                f"must be a multiple of the {block}-wide scale block. Change model.dim / "
+                f"n_heads / ffn_dim or the degrees, {fix}"
+            )
 
 
 def resolve_bf16_layers(indices: Iterable[int], n_layers: int) -> frozenset[int]:

@@ -32,6 +32,7 @@ import torch
 
 import recipes
 from config import ConfigError, compose_config
+from model.config import ModelConfig
 from recipes import (
     RecipeConfig,
     build_recipe,
@@ -661,6 +662,42 @@ class FakeFusedAdam:
         assert unscaled_state.dtype == torch.float32
         self.state[param][state_name] = unscaled_state.clone()
 
+    def get_unscaled_state(self, param, state_name):
+        return self.state[param][state_name]
+
+
+class FakeBlockTensor(FakeQuantizedTensor):
+    """A block-scaled quantized tensor (row-wise scales); quantize_ casts like the fake
+    quantizers (through bf16)."""
+
+    _rowwise_scale_inv = None
+
+    def quantize_(self, src):
+        self.as_subclass(torch.Tensor).copy_(src.to(torch.bfloat16).float())
+        return self
+
+
+def test_requantize_from_masters_rebuilds_block_scaled_weights_only():
+    """After a load, block-scaled weights become the cast of their masters (what FusedAdam's
+    step writes); per-tensor FP8 weights and plain ones keep what was loaded."""
+    from recipes.quantized import requantize_from_masters
+
+    loaded = torch.full((4, 4), 7.0)  # whatever the checkpoint load left in the parameters
+    block = FakeBlockTensor(loaded.clone(), None)
+    per_tensor = FakeQuantizedTensor(loaded.clone(), None)
+    plain = torch.nn.Parameter(loaded.clone())
+    optimizer = FakeFusedAdam([block, per_tensor, plain])
+    masters = {}
+    for i, p in enumerate((block, per_tensor, plain)):
+        masters[i] = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))
+        optimizer.set_scaled_state(p, "master_param", masters[i])
+    assert requantize_from_masters(optimizer) == 1
+    assert torch.equal(block.as_subclass(torch.Tensor), masters[0].to(torch.bfloat16).float())
+    assert torch.equal(per_tensor.as_subclass(torch.Tensor), loaded)
+    assert torch.equal(plain.detach(), loaded)
+    optimizer.master_weights = False  # no masters: nothing to rebuild from
+    assert requantize_from_masters(optimizer) == 0
+
 
 def test_seed_master_weights_from_kept_values():
     model, _ = quantized_model()
@@ -721,34 +758,55 @@ def test_recipe_seed_master_weights_only_with_quantized_init():
     assert recipe.seed_master_weights(model, optimizer) == 3
 
 
-def test_multi_tensor_quantized_weights_refused_on_one_rank_shard_mesh():
-    """fp8_block / mxfp8 / nvfp4 quantized weights all-gather data + scales; FSDP2's one-rank
-    shard path passes only the first (checkpoint/te_compat.py). The check reads the installed
-    torch's FSDP2 source, so it refuses exactly where that path exists."""
-    from checkpoint.te_compat import fsdp_one_rank_drops_extra_inputs
+def test_block_scaled_quantized_weights_on_every_layout():
+    """fp8_block quantized weights run on every 4-process layout (te_compat handles FSDP2's
+    one-rank mesh and fc1's dim-1 shards); MXFP8 / NVFP4 are refused only where FSDP shards
+    fc1 along dim 1; shards that split a scale block are refused with the weight named."""
     from recipes import check_recipe_layout
 
-    assert fsdp_one_rank_drops_extra_inputs()  # torch 2.13 (CI) and 2.11 (GPU image) have it
-    for name in ("fp8_block", "mxfp8", "nvfp4"):
+    mcfg = ModelConfig(dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536)  # the GPU matrix model
+    layouts = {"ddp": (1, 1), "fsdp": (4, 1), "hsdp": (2, 1), "tp": (1, 4), "fsdp_tp": (2, 2),
+               "hsdp_tp": (1, 2)}  # (dp_shard, tp) on 4 processes
+    for dp_shard, tp in layouts.values():
+        check_recipe_layout(RecipeConfig(name="fp8_block", quantized_init=True), mcfg, 4,
+                            dp_shard, tp)
+    for name in ("mxfp8", "nvfp4"):
         cfg = RecipeConfig(name=name, quantized_init=True)
         with pytest.raises(ConfigError) as err:
-            check_recipe_layout(cfg, world_size=4, dp_shard=1, tp=1)
+            check_recipe_layout(cfg, mcfg, 4, dp_shard=2, tp=2)
         msg = str(err.value)
-        assert "\n" not in msg and "parallel.dp_shard > 1" in msg and f"recipe={name}" in msg
-        with pytest.raises(ConfigError) as err:  # fc1 FSDP-sharded along dim 1 under TP
-            check_recipe_layout(cfg, world_size=4, dp_shard=2, tp=2)
-        assert "\n" not in str(err.value) and "parallel.tp=2" in str(err.value)
-        check_recipe_layout(cfg, world_size=4, dp_shard=2, tp=1)  # sharded: fine
-        check_recipe_layout(cfg, world_size=1, dp_shard=1, tp=1)  # one process, no FSDP: fine
-        check_recipe_layout(RecipeConfig(name=name), world_size=4, dp_shard=1, tp=4)  # bf16 weights
-    # One all-gather tensor (FP8 per-tensor scaling): fine on any layout.
-    for dp_shard, tp in ((1, 1), (1, 4), (2, 2)):
-        check_recipe_layout(RecipeConfig(name="fp8_cs", quantized_init=True), 4, dp_shard, tp)
+        assert "\n" not in msg and f"recipe={name}" in msg and "parallel.tp=2" in msg
+        for dp_shard, tp in ((1, 4), (4, 1), (1, 1)):  # no dim-1 all-gather: fine
+            check_recipe_layout(cfg, mcfg, 4, dp_shard, tp)
+        check_recipe_layout(RecipeConfig(name=name), mcfg, 4, 2, 2)  # bf16 weights
+    for dp_shard, tp in layouts.values():  # one all-gather tensor (FP8 per-tensor scale)
+        check_recipe_layout(RecipeConfig(name="fp8_cs", quantized_init=True), mcfg, 4, dp_shard, tp)
 
+    # tiny: proj has 128 rows, 64 per shard on 2 ranks: half a 128x128 FP8 block, a whole
+    # 32-wide MXFP8 block.
+    tiny = compose_config(["model=tiny"]).model
+    block = RecipeConfig(name="fp8_block", quantized_init=True)
+    with pytest.raises(ConfigError) as err:
+        check_recipe_layout(block, tiny, 2, dp_shard=2, tp=1)
+    msg = str(err.value)
+    assert "\n" not in msg and "proj weight" in msg and "shards of 64 rows" in msg
+    assert "128-wide scale block" in msg
+    check_recipe_layout(RecipeConfig(name="mxfp8", quantized_init=True), tiny, 2, 2, 1)
+    check_recipe_layout(block, tiny, 2, dp_shard=1, tp=1)  # ddp: nothing sharded
+    check_recipe_layout(block, tiny, 1, dp_shard=1, tp=1)  # one process
+    # What FSDP splits: fc1 along its columns under TP, everything else along dim 0.
+    from recipes.recipe import fsdp_shard_extents
 
-def test_one_rank_shard_check_follows_torch(monkeypatch):
-    from checkpoint import te_compat
-    from recipes import check_recipe_layout
+    assert fsdp_shard_extents(mcfg, dp_shard=2, tp=2) == {
+        "qkv": ("rows", 512, 256), "proj": ("rows", 512, 256), "fc1": ("columns", 512, 256),
+        "fc2": ("rows", 512, 256)}
+    assert fsdp_shard_extents(mcfg, dp_shard=4, tp=1)["fc1"] == ("rows", 3072, 768)
 
-    monkeypatch.setattr(te_compat, "fsdp_one_rank_drops_extra_inputs", lambda: False)
-    check_recipe_layout(RecipeConfig(name="fp8_block", quantized_init=True), 4, 1, 1)
+    # Settings TE's all-gather cannot take, refused before any work.
+    with pytest.raises(ConfigError, match="recipe.w_block_scaling_dim=2"):
+        check_recipe_layout(RecipeConfig(name="fp8_block", quantized_init=True,
+                                         w_block_scaling_dim=1, x_block_scaling_dim=1),
+                            mcfg, 2, 2, 1)
+    with pytest.raises(ConfigError, match="recipe.disable_2d_quantization=false"):
+        check_recipe_layout(RecipeConfig(name="nvfp4", quantized_init=True,
+                                         disable_2d_quantization=True), mcfg, 2, 1, 1)

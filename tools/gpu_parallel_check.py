@@ -5,16 +5,18 @@
     torchrun --nproc_per_node=4 tools/gpu_parallel_check.py --json out.json
 
 For each layout (fsdp, hsdp, ddp, tp, fsdp_tp, hsdp_tp; those whose degrees fit the GPU count)
-and recipe (bf16, fp8_cs), trains the same small TE Llama for --steps AdamW steps on the same
+and recipe (bf16, fp8_cs, fp8_block with quantized weights), trains the same small TE Llama for --steps AdamW steps on the same
 global batches as a single-GPU run, exactly the way train.py does (meta device, parallelize,
 init_weights, recipe contexts, FusedAdam, clip_grad_norm), and compares the loss curves. The
 single-GPU reference runs on every rank, without a process group, on the same device.
 
-fp8_cs additionally (--fp8-check, on by default): the model is built with quantized_init,
-weights quantized on their FSDP/TP shards (amax group from recipes), then FSDP2 all-gathers a
-block and every FP8 weight must equal the FP8 quantization of the full weight done on one GPU
-(same bytes once dequantized, same scale). A wrong amax group (shards with their own scales)
-breaks this.
+All-gather check (--gather-recipes, fp8_cs and fp8_block by default): the model is built with
+quantized_init, weights quantized on their FSDP/TP shards (amax group from recipes), then FSDP2
+all-gathers a block and every FP8 weight must equal the FP8 quantization of the full weight
+done on one GPU (same values once dequantized, same scales; for 128x128 blocks, the scales of
+the blocks this rank holds). A wrong amax group (shards with their own scales) breaks the
+fp8_cs rows; shards gathered in the wrong order (fc1 under TP, sharded along dim 1) or
+scales dropped (one-rank shard mesh) break the fp8_block rows.
 
 Prints one table on rank 0; exit status 1 if any row fails.
 """
@@ -51,14 +53,16 @@ from train import build_parallel_model  # noqa: E402
 #: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
 #: change the order of bf16 sums (TP partial sums, reduce-scatter) and FP8 scales are per
 #: shard of activations under SP, so the curves agree to rounding, not bitwise.
-STEP1_RTOL = {"bf16": 5e-3, "fp8_cs": 1e-2}
-CURVE_RTOL = {"bf16": 2e-2, "fp8_cs": 3e-2}
+STEP1_RTOL = {"bf16": 5e-3, "fp8_cs": 1e-2, "fp8_block": 1e-2}
+CURVE_RTOL = {"bf16": 2e-2, "fp8_cs": 3e-2, "fp8_block": 3e-2}
 SEED = 1234
 
 
 def model_cfg() -> ModelConfig:
-    # Every local GEMM dim stays a multiple of 16 (FP8) up to tp=4.
-    return ModelConfig(name="check", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768,
+    # Every tp-local weight dim and every FSDP shard of one stays a multiple of 128 up to
+    # tp=4 or dp_shard=4, so 128x128 FP8 blocks of shards and slices are blocks of the full
+    # weight (recipes.check_recipe_layout).
+    return ModelConfig(name="check", dim=512, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=1024,
                        vocab_size=1000, pad_vocab_multiple=128, max_seq_len=256)
 
 
@@ -77,11 +81,21 @@ def build(cfg, recipe, dims, device):
                                 device, SEED)
 
 
-def train_curve(cfg, recipe_name, dims, device, data, lr) -> list[float]:
-    recipe = build_recipe(RecipeConfig(name=recipe_name), cfg.n_layers)
+def name_of(spec: str) -> str:
+    return spec.partition("+")[0]
+
+
+def recipe_config(spec: str) -> RecipeConfig:
+    """'fp8_cs' or 'fp8_cs+q' (quantized_init)."""
+    return RecipeConfig(name=name_of(spec), quantized_init=spec.endswith("+q"))
+
+
+def train_curve(cfg, spec, dims, device, data, lr) -> list[float]:
+    recipe = build_recipe(recipe_config(spec), cfg.n_layers)
     model, group = build(cfg, recipe, dims, device)
     opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.1), "te",
                           recipe.fused_adam_kwargs())
+    recipe.seed_master_weights(model, opt)
     dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
     per_rank = data.shape[1] // dp_size
     losses = []
@@ -111,6 +125,15 @@ def _module_weight_quantizer(module, pname):
     return module.quantizers["scaling_fwd"][index]
 
 
+def _scales(t: torch.Tensor, rows, cols) -> torch.Tensor:
+    """The scales that describe `t`'s values, for entries rows x cols of the full weight:
+    per-tensor FP8 has one; 128x128 blocks one per block (padding columns dropped)."""
+    if not hasattr(t, "_rowwise_scale_inv"):
+        return t._scale_inv.float().reshape(-1)
+    scale = t._rowwise_scale_inv.float()
+    return scale[rows[::128] // 128][:, cols[::128] // 128]
+
+
 def _compare_weight(cfg, module, mod_name, pname, device) -> dict:
     p = getattr(module, pname)  # unsharded: FP8 tensor, or a tp DTensor of one
     is_dt = hasattr(p, "device_mesh")
@@ -121,11 +144,12 @@ def _compare_weight(cfg, module, mod_name, pname, device) -> dict:
     ref_q.internal = False  # a full tensor with dequantize(), not internal storage
     if hasattr(ref_q, "with_amax_reduction"):
         ref_q.with_amax_reduction, ref_q.amax_reduction_group = False, None
+    ref_q.set_usage(rowwise=True, columnwise=False)
     ref = ref_q(full)
     want = ref.dequantize(dtype=torch.float32)
-    if is_dt:
-        i0, i1 = local_global_indices(p)
-        want = want[i0.to(device)][:, i1.to(device)]
+    i0, i1 = local_global_indices(p) if is_dt else map(torch.arange, p.shape)
+    i0, i1 = i0.to(device), i1.to(device)
+    want = want[i0][:, i1]
     got = local.dequantize(dtype=torch.float32) if hasattr(local, "dequantize") else None
     row = {"fp8": got is not None}
     if got is not None:
@@ -134,16 +158,17 @@ def _compare_weight(cfg, module, mod_name, pname, device) -> dict:
                                f"full weight's slice {tuple(want.shape)}")
         row["max_abs_diff"] = (got - want).abs().max().item()
         row["equal"] = bool(torch.equal(got, want))
-        row["scale_equal"] = bool(torch.equal(local._scale_inv.float(), ref._scale_inv.float()))
+        here = torch.arange(got.shape[0], device=device), torch.arange(got.shape[1], device=device)
+        row["scale_equal"] = bool(torch.equal(_scales(local, *here), _scales(ref, i0, i1)))
     row["ok"] = bool(row.get("equal") and row.get("scale_equal"))
     return row
 
 
 @torch.no_grad()
-def fp8_allgather_check(cfg, dims, device) -> list[dict]:
+def fp8_allgather_check(cfg, dims, device, recipe_name) -> list[dict]:
     """After FSDP2 all-gathers block 0 from its FP8 shards, each FP8 weight equals the FP8
     cast of the full weight on one GPU."""
-    recipe = build_recipe(RecipeConfig(name="fp8_cs", quantized_init=True), cfg.n_layers)
+    recipe = build_recipe(RecipeConfig(name=recipe_name, quantized_init=True), cfg.n_layers)
     model, _ = build(cfg, recipe, dims, device)
     # One forward runs FSDP2's lazy init, which adopts the parameters quantize_weights swapped in.
     tokens = torch.zeros(max(1, dims.tp), 16 * dims.tp, dtype=torch.long, device=device)
@@ -170,7 +195,10 @@ def fp8_allgather_check(cfg, dims, device) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="conf/parallel options")
-    ap.add_argument("--recipes", default="bf16,fp8_cs")
+    ap.add_argument("--recipes", default="bf16,fp8_cs,fp8_block+q",
+                    help="curves to compare; +q: quantized_init")
+    ap.add_argument("--gather-recipes", default="fp8_cs,fp8_block",
+                    help="recipes of the all-gather check ('' for none)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -178,7 +206,6 @@ def main() -> int:
     # steps for any data-parallel layout (also on CPU in fp32), which hides real errors.
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-sequence-parallel", action="store_true")
-    ap.add_argument("--no-fp8-check", action="store_true")
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = ap.parse_args()
 
@@ -213,19 +240,20 @@ def main() -> int:
                 rel = [abs(a - b) / abs(b) for a, b in zip(got, refs[r])]
                 row.update(losses=got, step1_rel=rel[0], max_rel=max(rel),
                            max_abs=max(abs(a - b) for a, b in zip(got, refs[r])),
-                           ok=rel[0] <= STEP1_RTOL[r] and max(rel) <= CURVE_RTOL[r])
+                           ok=rel[0] <= STEP1_RTOL[name_of(r)] and max(rel) <= CURVE_RTOL[name_of(r)])
             except Exception:
                 row.update(ok=False, error=traceback.format_exc(limit=3).strip().splitlines()[-1])
                 if rank == 0:
                     traceback.print_exc()
             row["seconds"] = round(time.time() - t0, 1)
             results["curves"].append(row)
-        if "fp8_cs" in recipes and not args.no_fp8_check:
+        for r in filter(None, args.gather_recipes.split(",")):
+            where = {"layout": name, "degrees": degrees, "recipe": r}
             try:
-                for row in fp8_allgather_check(cfg, dims, device):
-                    results["fp8_allgather"].append({"layout": name, "degrees": degrees, **row})
+                for row in fp8_allgather_check(cfg, dims, device, r):
+                    results["fp8_allgather"].append({**where, **row})
             except Exception:
-                results["fp8_allgather"].append({"layout": name, "degrees": degrees, "ok": False,
+                results["fp8_allgather"].append({**where, "ok": False,
                                                  "error": traceback.format_exc(limit=3)
                                                  .strip().splitlines()[-1]})
                 if rank == 0:
@@ -237,7 +265,7 @@ def main() -> int:
         print(f"\n{world} x {results['gpu']}, {args.steps} steps, global batch "
               f"{args.global_batch} x {args.seq_len}, tolerances step-1 {STEP1_RTOL}, "
               f"curve {CURVE_RTOL} (relative)")
-        print(f"{'layout':9} {'rxsxt':7} {'recipe':7} {'ref loss 1->N':>17} {'loss 1->N':>17} "
+        print(f"{'layout':9} {'rxsxt':7} {'recipe':11} {'ref loss 1->N':>17} {'loss 1->N':>17} "
               f"{'step1 rel':>9} {'max rel':>9} {'max abs':>9}  status")
         for r in results["curves"]:
             if "skipped" in r:
@@ -245,20 +273,22 @@ def main() -> int:
                 continue
             ref = refs[r["recipe"]]
             if "error" in r:
-                print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:7} ERROR {r['error']}")
+                print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} ERROR {r['error']}")
                 continue
-            print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:7} "
+            print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} "
                   f"{ref[0]:8.4f}->{ref[-1]:7.4f} {r['losses'][0]:8.4f}->{r['losses'][-1]:7.4f} "
                   f"{r['step1_rel']:9.2e} {r['max_rel']:9.2e} {r['max_abs']:9.2e}  "
                   f"{'ok' if r['ok'] else 'FAIL'}")
         if results["fp8_allgather"]:
-            print("\nfp8_cs: FSDP2 all-gather of FP8 shards vs FP8 cast of the full weight on one GPU")
+            print("\nFSDP2 all-gather of FP8 shards (quantized_init) vs FP8 cast of the full weight "
+                  "on one GPU")
             for r in results["fp8_allgather"]:
                 if "error" in r:
-                    print(f"{r['layout']:9} {r['degrees']:7} {r.get('weight', ''):44} "
-                          f"ERROR {r['error']}")
+                    print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:9} "
+                          f"{r.get('weight', ''):44} ERROR {r['error']}")
                     continue
-                print(f"{r['layout']:9} {r['degrees']:7} {r['weight']:44} fp8={r['fp8']} "
+                print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:9} {r['weight']:44} "
+                      f"fp8={r['fp8']} "
                       f"equal={r.get('equal')} scale_equal={r.get('scale_equal')} "
                       f"max|diff|={r.get('max_abs_diff', float('nan')):.2e}  "
                       f"{'ok' if r['ok'] else 'FAIL'}")

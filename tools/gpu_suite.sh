@@ -5,8 +5,9 @@
 #   bash tools/gpu_suite.sh tests recipes # any of: tests recipes resume save
 #   bash tools/gpu_suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather
 #   bash tools/gpu_suite.sh matrix        # 4 GPUs: every recipe x layout x checkpoint mode, resume bitwise
-#                                         # (MATRIX_LAYOUTS="tp fsdp_tp" for a subset)
+#                                         # (MATRIX_LAYOUTS="tp fsdp_tp", MATRIX_RECIPES="fp8_cs" for a subset)
 #   bash tools/gpu_suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
+#                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
@@ -87,6 +88,7 @@ matrix() {
         rm -f "$OUT/matrix_$layout.jsonl"
         timeout "${MATRIX_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$NGPU" tools/layout_matrix.py \
             --layout "$layout" --layout-index "$i" --jsonl "$OUT/matrix_$layout.jsonl" \
+            ${MATRIX_RECIPES:+--recipes $MATRIX_RECIPES} \
             -- "${MATRIX_MODEL[@]}" > "$OUT/matrix_$layout.log" 2>&1 &
         pids+=($!)
     done
@@ -136,8 +138,10 @@ scale() {
     local root=/tmp/gpu-suite-scale pids=() g=0 r
     rm -rf "$root"
     declare -A extra=([bf16]="recipe=bf16" [fp8_delayed]="recipe=fp8_delayed"
-                      [fp8_cs-q]="recipe=fp8_cs recipe.quantized_init=true" [fp8_block]="recipe=fp8_block")
-    for r in bf16 fp8_delayed fp8_cs-q fp8_block; do
+                      [fp8_cs-q]="recipe=fp8_cs recipe.quantized_init=true" [fp8_block]="recipe=fp8_block"
+                      [fp8_block-q]="recipe=fp8_block recipe.quantized_init=true")
+    # At most 4 recipes at a time: each keeps one GPU for its 1-GPU reference.
+    for r in ${SCALE_RECIPES:-bf16 fp8_delayed fp8_cs-q fp8_block}; do
         # shellcheck disable=SC2086  # the recipe overrides are words
         scale_one "$r" "$g" "$root" ${extra[$r]} &
         pids+=($!)

@@ -52,11 +52,13 @@ def test_layouts_match_single_gpu(tmp_path):
     # Every layout the issue names must have run (hsdp_tp needs 4 GPUs).
     expected = {"fsdp", "hsdp", "tp", "fsdp_tp"} | ({"hsdp_tp"} if nproc >= 4 else set())
     assert expected <= ran, f"layouts not run: {expected - ran}"
-    assert {r["recipe"] for r in result["curves"] if "recipe" in r} == {"bf16", "fp8_cs"}
-    assert result["fp8_allgather"], "the fp8_cs all-gather check did not run"
+    assert {r["recipe"] for r in result["curves"] if "recipe" in r} == {
+        "bf16", "fp8_cs", "fp8_block+q"}
+    gathered = {(r["layout"], r["recipe"]) for r in result["fp8_allgather"]}
+    assert {(layout, r) for layout in expected for r in ("fp8_cs", "fp8_block")} <= gathered
 
 
 def test_layouts_without_sequence_parallel(tmp_path):
     nproc = min(4, torch.cuda.device_count())
     _run(nproc, tmp_path / "nosp.json", "--layouts", "tp,fsdp_tp", "--recipes", "bf16",
-         "--no-sequence-parallel", "--no-fp8-check")
+         "--no-sequence-parallel", "--gather-recipes", "")
