@@ -5,10 +5,11 @@
     torchrun --nproc_per_node=4 tools/gpu_parallel_check.py --json out.json
 
 For each layout (fsdp, hsdp, ddp, tp, fsdp_tp, hsdp_tp; those whose degrees fit the GPU count)
-and recipe (bf16, fp8_cs, fp8_block with quantized weights), trains the same small TE Llama for --steps AdamW steps on the same
-global batches as a single-GPU run, exactly the way train.py does (meta device, parallelize,
-init_weights, recipe contexts, FusedAdam, clip_grad_norm), and compares the loss curves. The
-single-GPU reference runs on every rank, without a process group, on the same device.
+and recipe (bf16, fp8_cs, fp8_block with quantized weights), trains the same small TE Llama
+for --steps AdamW steps on the same global batches as a single-GPU run, exactly the way
+train.py does (meta device, parallelize, init_weights, recipe contexts, FusedAdam,
+clip_grad_norm), and compares the loss curves. The single-GPU reference runs on every rank,
+without a process group, on the same device.
 
 All-gather check (--gather-recipes, fp8_cs and fp8_block by default): the model is built with
 quantized_init, weights quantized on their FSDP/TP shards (amax group from recipes), then FSDP2
