@@ -37,7 +37,7 @@ communication itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -50,16 +50,13 @@ try:  # TE >= 2.8 keeps the global quantization state in `quantization`.
 except ImportError:  # pragma: no cover
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-from config import ConfigError
 from model.config import ModelConfig
 from model.llama import Linear, RMSNorm
 from model.rope import rope_freqs
-
-#: fp8_context(quantized) -> context manager. Called around every block and around the head.
-Fp8Context = Callable[[bool], AbstractContextManager]
+from recipes.recipe import resolve_bf16_layers
 
 
-def default_fp8_context(quantized: bool) -> AbstractContextManager:
+def block_fp8_context(quantized: bool) -> AbstractContextManager:
     """Quantized parts run in the caller's context; the others, when the caller is inside an
     enabled te.autocast, turn quantization off (same recipe object: TE keys state on it)."""
     if quantized or not FP8GlobalStateManager.is_fp8_enabled():
@@ -73,19 +70,6 @@ def _high_precision_init(high_precision: bool) -> AbstractContextManager:
     if not high_precision or not FP8GlobalStateManager.with_fp8_parameters():
         return nullcontext()
     return te.quantized_model_init(enabled=False, recipe=FP8GlobalStateManager.get_fp8_recipe())
-
-
-def resolve_layer_ids(layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
-    """Block indices with negatives counted from the end, e.g. (0, -1) -> (0, n_layers - 1)."""
-    ids = set()
-    for i in layers:
-        if not -n_layers <= i < n_layers:
-            raise ConfigError(
-                f"recipe.bf16_layers has {i}, outside the model's {n_layers} blocks; "
-                f"use indices in [-{n_layers}, {n_layers - 1}]"
-            )
-        ids.add(i % n_layers)
-    return tuple(sorted(ids))
 
 
 class TELlama(nn.Module):
@@ -122,7 +106,7 @@ class TELlama(nn.Module):
             tp_size = torch.distributed.get_world_size(tp_group)
         self.tp_size = tp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
-        self.bf16_layer_ids = resolve_layer_ids(bf16_layers, cfg.n_layers)
+        self.bf16_layer_ids = tuple(sorted(resolve_bf16_layers(bf16_layers, cfg.n_layers)))
         self.attn_input_format = "sbhd" if self.sequence_parallel else "bshd"
 
         v = cfg.padded_vocab_size
@@ -170,13 +154,10 @@ class TELlama(nn.Module):
         """Recompute non-persistent buffers after meta-device construction + to_empty."""
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens: torch.Tensor, fp8_context: Fp8Context | None = None) -> torch.Tensor:
-        """fp8_context(quantized: bool) returns the context to run one part in: called with
-        True for the blocks to quantize, False for the blocks in `bf16_layer_ids` and for the
-        final norm + head. The recipe module passes e.g.
-        `lambda q: te.autocast(enabled=q, recipe=fp8_recipe)`. Default: `default_fp8_context`.
-        """
-        ctx = fp8_context or default_fp8_context
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Blocks run in the caller's te.autocast; the blocks in `bf16_layer_ids` and the final
+        norm + head turn quantization off (`block_fp8_context`)."""
+        ctx = block_fp8_context
         x = self.embed(tokens)
         seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         freqs = self.freqs[:seq]

@@ -112,44 +112,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """All-gather along `dim`; backward keeps this rank's slice of the replicated gradient."""
+class _DimCollective(torch.autograd.Function):
+    """A collective along `dim` whose backward is another one: forward(x, dim, group) and
+    backward(grad, dim, group) are two of _all_gather / _split / _reduce_scatter."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """Row-parallel output into a sequence-parallel region: reduce-scatter along `dim`."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, group, forward, backward):
+        ctx.dim, ctx.group, ctx.backward = dim, group, backward
+        return forward(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    """Sequence-parallel region into a column-parallel one: all-gather along `dim`; the
-    gradient is a partial sum per rank, so backward reduce-scatters it."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+        return ctx.backward(g, ctx.dim, ctx.group), None, None, None, None
 
 
 def copy_to_tp(x, group):
@@ -161,15 +135,19 @@ def reduce_from_tp(x, group):
 
 
 def gather_from_tp(x, dim, group):
-    return _GatherFromTP.apply(x, dim, group)
+    """All-gather along `dim`; backward keeps this rank's slice of the replicated gradient."""
+    return _DimCollective.apply(x, dim, group, _all_gather, _split)
 
 
 def reduce_scatter_to_sp(x, dim, group):
-    return _ReduceScatterToSP.apply(x, dim, group)
+    """Row-parallel output into a sequence-parallel region: reduce-scatter along `dim`."""
+    return _DimCollective.apply(x, dim, group, _reduce_scatter, _all_gather)
 
 
 def gather_from_sp(x, dim, group):
-    return _GatherFromSP.apply(x, dim, group)
+    """Sequence-parallel region into a column-parallel one: all-gather along `dim`; the
+    gradient is a partial sum per rank, so backward reduce-scatters it."""
+    return _DimCollective.apply(x, dim, group, _all_gather, _reduce_scatter)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -281,18 +281,21 @@ def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int,
 
 
 def resolve_bf16_layers(indices: Iterable[int], n_layers: int) -> frozenset[int]:
-    """Block indices, negative ones counted from the end, as a set of 0..n_layers-1."""
-    return frozenset(int(i) % n_layers for i in indices)
-
-
-def check_bf16_layers(cfg: RecipeConfig, n_layers: int) -> None:
-    bad = [int(i) for i in cfg.bf16_layers if not -n_layers <= int(i) < n_layers]
+    """Block indices, negative ones counted from the end, as a set of 0..n_layers-1. Raises
+    ConfigError for an index outside the model."""
+    indices = [int(i) for i in indices]
+    bad = [i for i in indices if not -n_layers <= i < n_layers]
     if bad:
         raise _config_error(
-            f"recipe.bf16_layers={list(cfg.bf16_layers)} has index {bad[0]} "
+            f"recipe.bf16_layers={indices} has index {bad[0]} "
             f"outside model.n_layers={n_layers}; use 0..{n_layers - 1}, or "
             f"-{n_layers}..-1 to count from the end"
         )
+    return frozenset(i % n_layers for i in indices)
+
+
+def check_bf16_layers(cfg: RecipeConfig, n_layers: int) -> None:
+    resolve_bf16_layers(cfg.bf16_layers, n_layers)
 
 
 @dataclass(frozen=True)

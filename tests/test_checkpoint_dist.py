@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -31,6 +30,7 @@ from config import ConfigError
 from model.init import init_weights
 from model.llama import Llama, rms_norm
 from model.rope import apply_rope
+from parallel.tp import copy_to_tp, reduce_from_tp
 from tests.distributed import run_distributed
 from tests.test_checkpoint import MODEL, FakeLoader, build_training, run_steps
 
@@ -42,35 +42,6 @@ RESHARD_RTOL = 1e-5
 
 
 # -- layouts ---------------------------------------------------------------------------------
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward sums the input gradient over the tp group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Sum of partial outputs over the tp group; backward passes the gradient through."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def apply_test_tp(model: Llama, mesh) -> None:
@@ -96,7 +67,7 @@ def tp_forward(model: Llama, tokens: torch.Tensor, group) -> torch.Tensor:
     b, s = tokens.shape
     for blk in model.layers:
         qkv = blk.self_attention.layernorm_qkv
-        h = _CopyToTP.apply(rms_norm(x, loc(qkv.layer_norm_weight), qkv.eps), group)
+        h = copy_to_tp(rms_norm(x, loc(qkv.layer_norm_weight), qkv.eps), group)
         hd, q_per_kv = model.cfg.head_dim, model.cfg.n_heads // model.cfg.n_kv_heads
         fused = F.linear(h, loc(qkv.weight)).view(b, s, -1, q_per_kv + 2, hd)
         q, k, v = (t.reshape(b, s, -1, hd) for t in fused.split([q_per_kv, 1, 1], dim=3))
@@ -106,7 +77,7 @@ def tp_forward(model: Llama, tokens: torch.Tensor, group) -> torch.Tensor:
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
         )
         out = F.linear(out.transpose(1, 2).reshape(b, s, -1), loc(blk.self_attention.proj.weight))
-        x = x + _ReduceFromTP.apply(out, group)
+        x = x + reduce_from_tp(out, group)
         mlp = blk.layernorm_mlp
         hm = rms_norm(x, loc(mlp.layer_norm_weight), mlp.eps)
         gate, up = F.linear(hm, loc(mlp.fc1_weight)).chunk(2, dim=-1)

@@ -275,7 +275,8 @@ def test_quantized_init_fp8_cs_trains():
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.05
 
 
-def test_bf16_layers_and_fp8_context():
+def test_bf16_layers_and_fp8_context(monkeypatch):
+    from model import te_llama
     from model.te_llama import TELlama
 
     cfg = cfg_for(False)
@@ -290,7 +291,9 @@ def test_bf16_layers_and_fp8_context():
 
     tokens, _ = batch(cfg)
     with torch.no_grad():
-        out = model(tokens, fp8_context=record)
+        with monkeypatch.context() as m:
+            m.setattr(te_llama, "block_fp8_context", record)
+            out = model(tokens)
         base = bf16(model, tokens)
     # One call per block (True unless listed in bf16_layers), then one for norm + head.
     assert calls == [False, True, True, False, False]
@@ -302,7 +305,7 @@ def test_bad_bf16_layer_is_one_clear_line():
     from model.te_llama import TELlama
 
     with pytest.raises(
-        ConfigError, match=r"recipe.bf16_layers has 4, outside the model's 4 blocks"
+        ConfigError, match=r"recipe.bf16_layers=\[4\] has index 4 outside model.n_layers=4"
     ):
         TELlama(cfg_for(False), device="meta", bf16_layers=(4,))
 
