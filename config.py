@@ -143,13 +143,17 @@ def _one_of(value: Any, allowed: tuple, field_name: str) -> None:
 def validate(cfg: Config) -> None:
     """Single-config rules (no environment needed). Raises ConfigError."""
     t, o, m, d = cfg.train, cfg.optim, cfg.model, cfg.data
-    _require("/" not in cfg.run.name and cfg.run.name.strip() != "",
-             f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
+    _require(
+        "/" not in cfg.run.name and cfg.run.name.strip() != "",
+        f"run.name={cfg.run.name!r} must be a non-empty name without '/'",
+    )
     _one_of(t.device, DEVICES, "train.device")
     _require(t.steps > 0, f"train.steps={t.steps} must be > 0")
     _require(t.global_batch_size > 0, f"train.global_batch_size={t.global_batch_size} must be > 0")
-    _require(t.micro_batch_size is None or t.micro_batch_size > 0,
-             f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)")
+    _require(
+        t.micro_batch_size is None or t.micro_batch_size > 0,
+        f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)",
+    )
     _require(t.log_every > 0, f"train.log_every={t.log_every} must be > 0")
     _require(o.name == "adamw", f"optim.name={o.name!r} is not supported; use adamw")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
@@ -160,37 +164,63 @@ def validate(cfg: Config) -> None:
     _require(o.eps > 0, f"optim.eps={o.eps} must be > 0")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables)")
     _one_of(m.impl, IMPLS, "model.impl")
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                 "pad_vocab_multiple", "max_seq_len"):
+    for name in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_dim",
+        "vocab_size",
+        "pad_vocab_multiple",
+        "max_seq_len",
+    ):
         _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
-    _require(m.dim % m.n_heads == 0,
-             f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
-    _require(m.n_heads % m.n_kv_heads == 0,
-             f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads} (GQA)")
-    _require(m.head_dim % 2 == 0, f"model head_dim={m.head_dim} (dim/n_heads) must be even for RoPE")
+    _require(
+        m.dim % m.n_heads == 0, f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}"
+    )
+    _require(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads} (GQA)",
+    )
+    _require(
+        m.head_dim % 2 == 0, f"model head_dim={m.head_dim} (dim/n_heads) must be even for RoPE"
+    )
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
-    _require(d.seq_len <= m.max_seq_len,
-             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
-             "raise model.max_seq_len or lower data.seq_len")
+    _require(
+        d.seq_len <= m.max_seq_len,
+        f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+        "raise model.max_seq_len or lower data.seq_len",
+    )
     _require(d.name in ("embedded", "hf"), f"data.name={d.name!r} is not one of embedded, hf")
-    _require(d.name != "hf" or bool(d.path),
-             "data.path is required with data=hf (a hub dataset name or local files)")
+    _require(
+        d.name != "hf" or bool(d.path),
+        "data.path is required with data=hf (a hub dataset name or local files)",
+    )
     _one_of(cfg.checkpoint.mode, CHECKPOINT_MODES, "checkpoint.mode")
-    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
-    _require(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    _require(
+        cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0"
+    )
+    _require(
+        cfg.checkpoint.keep_last >= 1,
+        f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1",
+    )
     _one_of(cfg.logger.wandb.mode, WANDB_MODES, "logger.wandb.mode")
 
 
 def validate_batch(cfg: Config, dp_size: int) -> int:
     """Returns gradient-accumulation steps; the global batch must split evenly over DP ranks."""
     t = cfg.train
-    _require(t.global_batch_size % dp_size == 0,
-             f"train.global_batch_size={t.global_batch_size} must be divisible by the "
-             f"data-parallel size {dp_size}; change it or the parallel degrees")
+    _require(
+        t.global_batch_size % dp_size == 0,
+        f"train.global_batch_size={t.global_batch_size} must be divisible by the "
+        f"data-parallel size {dp_size}; change it or the parallel degrees",
+    )
     micro = t.micro_batch_size or t.global_batch_size // dp_size
     per_step = micro * dp_size
-    _require(t.global_batch_size % per_step == 0,
-             f"train.global_batch_size={t.global_batch_size} must be divisible by "
-             f"train.micro_batch_size={micro} x data-parallel size {dp_size}; "
-             "change one of them")
+    _require(
+        t.global_batch_size % per_step == 0,
+        f"train.global_batch_size={t.global_batch_size} must be divisible by "
+        f"train.micro_batch_size={micro} x data-parallel size {dp_size}; "
+        "change one of them",
+    )
     return t.global_batch_size // per_step

@@ -37,9 +37,15 @@ from pathlib import Path
 
 from config import LoggerConfig
 
-LINE_FIELDS = [("step", "{:>6d}"), ("loss", "{:.4f}"), ("grad_norm", "{:.3f}"),
-               ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
-               ("mem_gb", "{:.2f}")]
+LINE_FIELDS = [
+    ("step", "{:>6d}"),
+    ("loss", "{:.4f}"),
+    ("grad_norm", "{:.3f}"),
+    ("lr", "{:.2e}"),
+    ("tokens_per_s", "{:,.0f}"),
+    ("mfu", "{:.1%}"),
+    ("mem_gb", "{:.2f}"),
+]
 
 
 def format_line(record: dict) -> str:
@@ -78,8 +84,16 @@ def trim_metrics(path: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, *, rank: int, run_name: str,
-                 config: dict, tags: list[str]):
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        run_dir: Path,
+        *,
+        rank: int,
+        run_name: str,
+        config: dict,
+        tags: list[str],
+    ):
         self.enabled = rank == 0
         self.path = run_dir / "metrics.jsonl"
         self.cfg, self.run_dir, self.run_name, self.config = cfg, run_dir, run_name, config
@@ -118,9 +132,17 @@ class MetricsLogger:
         w = self.cfg.wandb
         logged = self._offline_last_step(run_id) if w.mode == "offline" else 0
         self.wandb_run = wandb.init(
-            project=w.project, entity=w.entity, group=w.group, name=self.run_name, id=run_id,
-            resume="allow", mode=w.mode, dir=str(self.run_dir), config=self.config,
-            tags=self.tags)
+            project=w.project,
+            entity=w.entity,
+            group=w.group,
+            name=self.run_name,
+            id=run_id,
+            resume="allow",
+            mode=w.mode,
+            dir=str(self.run_dir),
+            config=self.config,
+            tags=self.tags,
+        )
         self.wandb_run_id = run_id
         if w.mode == "online":
             # The server's next step; wandb drops steps below it on its own.

@@ -17,12 +17,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, impl: str,
-                    fused_adam_kwargs: dict | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, impl: str, fused_adam_kwargs: dict | None = None
+) -> torch.optim.Optimizer:
     """torch AdamW for the reference; TE FusedAdam (DTensor-aware, optional fp32 master
     weights for quantized parameters) for the TE implementation."""
     groups = param_groups(model, cfg.weight_decay)

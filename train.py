@@ -51,8 +51,10 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
     grad_accum = validate_batch(cfg, dims.dp_size)
     impl = resolve_impl(cfg.model.impl)
     if impl == "te" and not te_available():
-        raise ConfigError("model.impl=te needs a CUDA GPU and transformer_engine "
-                          "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto")
+        raise ConfigError(
+            "model.impl=te needs a CUDA GPU and transformer_engine "
+            "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto"
+        )
     check_recipe(cfg.recipe, impl, device)
     check_recipe_layout(cfg.recipe, cfg.model, world_size, dims.dp_shard, dims.tp)
     return dims, grad_accum, impl
@@ -66,8 +68,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_parallel_model(mcfg, impl: str, recipe, dims: ParallelDims, device: torch.device,
-                         seed: int):
+def build_parallel_model(
+    mcfg, impl: str, recipe, dims: ParallelDims, device: torch.device, seed: int
+):
     """Steps 3-5 of `run`, shared with tools/gpu_parallel_check.py. Returns the model and the
     amax-reduction group of its per-tensor-scaled weights (None: no reduction).
 
@@ -82,9 +85,12 @@ def build_parallel_model(mcfg, impl: str, recipe, dims: ParallelDims, device: to
     te_kwargs = {}
     if impl == "te":
         te_compat.apply_all()
-        te_kwargs = dict(tp_group=dims.tp_group, tp_size=dims.tp,
-                         sequence_parallel=dims.sequence_parallel,
-                         bf16_layers=tuple(sorted(recipe.bf16_layer_ids)))
+        te_kwargs = dict(
+            tp_group=dims.tp_group,
+            tp_size=dims.tp,
+            sequence_parallel=dims.sequence_parallel,
+            bf16_layers=tuple(sorted(recipe.bf16_layer_ids)),
+        )
     with torch.device("meta"), recipe.quantized_init_context():
         model = build_model(mcfg, impl, **te_kwargs)
     model = parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
@@ -131,8 +137,10 @@ def run(cfg: Config) -> int:
     recipe = build_recipe(cfg.recipe, cfg.model.n_layers)
     tokenizer = build_tokenizer(cfg.data)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}")
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
+        )
 
     # 2. Processes and mesh: the mesh object owns every process group (ARCHITECTURE.md #3).
     if world_size > 1 and not dist.is_initialized():
@@ -143,8 +151,9 @@ def run(cfg: Config) -> int:
     torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
 
     # 3-5. Model: meta build, parallelize, materialize, initialize, quantize.
-    model, weight_amax_group = build_parallel_model(cfg.model, impl, recipe, dims, device,
-                                                    cfg.train.seed)
+    model, weight_amax_group = build_parallel_model(
+        cfg.model, impl, recipe, dims, device, cfg.train.seed
+    )
 
     # 6. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
     #    seeded from the exact pre-quantization values).
@@ -153,8 +162,13 @@ def run(cfg: Config) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
     # 7. Data: each data-parallel rank reads its rows of one global batch order.
-    loader = build_loader(cfg.data, tokenizer, global_batch_size=cfg.train.global_batch_size,
-                          dp_rank=dims.dp_rank, dp_size=dims.dp_size)
+    loader = build_loader(
+        cfg.data,
+        tokenizer,
+        global_batch_size=cfg.train.global_batch_size,
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp_size,
+    )
 
     # 8. Run directory, checkpoint resume, logger (in that order: the logger trims metrics
     #    to the resumed step and reuses the wandb id stored in the checkpoint).
@@ -162,36 +176,48 @@ def run(cfg: Config) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     train_state = TrainState(config_yaml=config_yaml)
-    state = training_state(model, optimizer, scheduler, loader, train_state,
-                           te_recipe=recipe.te_recipe())
+    state = training_state(
+        model, optimizer, scheduler, loader, train_state, te_recipe=recipe.te_recipe()
+    )
     ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank=rank, world_size=world_size)
     start_step = ckpt.resume(state)
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
-    logger = MetricsLogger(cfg.logger, run_dir, rank=rank, run_name=cfg.run.name,
-                           config=OmegaConf.to_container(OmegaConf.structured(cfg)),
-                           tags=[cfg.model.name, cfg.recipe.name, cfg.parallel.name])
+    logger = MetricsLogger(
+        cfg.logger,
+        run_dir,
+        rank=rank,
+        run_name=cfg.run.name,
+        config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+        tags=[cfg.model.name, cfg.recipe.name, cfg.parallel.name],
+    )
     train_state.wandb_run_id = logger.start(start_step, train_state.wandb_run_id)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes, param_local_numel = parameter_storage(model)  # this rank's share, as stored
-    logger.info(f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
-                f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
-                f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
-                f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else ""))
+    logger.info(
+        f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
+        f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
+        f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
+        f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else "")
+    )
 
     if start_step >= cfg.train.steps:
-        logger.info(f"nothing to do: the checkpoint is at step {start_step} and train.steps="
-                    f"{cfg.train.steps}; raise train.steps to continue, or pass "
-                    "checkpoint.resume=none to start over")
+        logger.info(
+            f"nothing to do: the checkpoint is at step {start_step} and train.steps="
+            f"{cfg.train.steps}; raise train.steps to continue, or pass "
+            "checkpoint.resume=none to start over"
+        )
 
     # 9. Train.
     seq_len = cfg.data.seq_len
     tokens_per_step = cfg.train.global_batch_size * seq_len
     flops_tok = flops_per_token(cfg.model, seq_len)
-    peak = cfg.train.peak_tflops or (peak_tflops(torch.cuda.get_device_name(device))
-                                     if device.type == "cuda" else None)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else nullcontext())
+    peak = cfg.train.peak_tflops or (
+        peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    )
     t_last, step_last = time.perf_counter(), start_step
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
@@ -223,12 +249,19 @@ def run(cfg: Config) -> int:
             loss_value, norm_value = torch.stack([step_loss.float(), grad_norm.float()]).tolist()
             now = time.perf_counter()
             tps = tokens_per_step * (step - step_last) / (now - t_last)
-            record = dict(step=step, loss=loss_value, grad_norm=norm_value,
-                          lr=scheduler.get_last_lr()[0], tokens_seen=train_state.tokens_seen,
-                          tokens_per_s=tps, tokens_per_s_per_device=tps / world_size,
-                          mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
-                          mem_gb=peak_memory_gb(device),
-                          param_bytes_per_param=param_bytes / param_local_numel, **ckpt.stats())
+            record = dict(
+                step=step,
+                loss=loss_value,
+                grad_norm=norm_value,
+                lr=scheduler.get_last_lr()[0],
+                tokens_seen=train_state.tokens_seen,
+                tokens_per_s=tps,
+                tokens_per_s_per_device=tps / world_size,
+                mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
+                mem_gb=peak_memory_gb(device),
+                param_bytes_per_param=param_bytes / param_local_numel,
+                **ckpt.stats(),
+            )
             logger.log(record)
             t_last, step_last = time.perf_counter(), step
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
@@ -238,8 +271,10 @@ def run(cfg: Config) -> int:
 
         ckpt.maybe_save(step, state, force=stopping)
         if stopping:
-            logger.info(f"stop signal {stop.received}: checkpoint at step {step} saved; exiting "
-                        f"with status {EXIT_REQUEUE} for requeue")
+            logger.info(
+                f"stop signal {stop.received}: checkpoint at step {step} saved; exiting "
+                f"with status {EXIT_REQUEUE} for requeue"
+            )
             ckpt.finish(step, state, save=False)
             logger.finish()
             return EXIT_REQUEUE

@@ -328,8 +328,13 @@ class CheckpointManager:
                 f"checkpoint {path} does not fit this run: {problems[0]}{more}; "
                 "resume with the settings it was saved with"
             )
-        dcp.load(request, checkpoint_id=str(path), planner=BlockLoadPlanner(),
-                 process_group=self._pg, no_dist=not self._dist)
+        dcp.load(
+            request,
+            checkpoint_id=str(path),
+            planner=BlockLoadPlanner(),
+            process_group=self._pg,
+            no_dist=not self._dist,
+        )
         for key, part in state.items():
             part.load_state_dict(request[key])
 
@@ -358,8 +363,13 @@ class CheckpointManager:
                 (tmp / layout.CONFIG_FILE).write_text(train.config_yaml)
         writer = FileSystemWriter(str(tmp))
         if self.cfg.mode == "sync":
-            dcp.save(state, storage_writer=writer, planner=BlockSavePlanner(),
-                     process_group=self._pg, no_dist=not self._dist)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=BlockSavePlanner(),
+                process_group=self._pg,
+                no_dist=not self._dist,
+            )
             blocking = time.perf_counter() - t0
             if self.rank == 0:
                 self._commit(tmp, step)

@@ -187,8 +187,12 @@ def _max_over_ranks_newest_amax(sd: dict[str, Any]) -> None:
     from the original values. The live histories are not touched."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    keys = [(name, out) for name, entry in sd.items() for _, attr, out in _TENSORS
-            if attr == "amax_history"]
+    keys = [
+        (name, out)
+        for name, entry in sd.items()
+        for _, attr, out in _TENSORS
+        if attr == "amax_history"
+    ]
     if not keys:
         return
     flat = torch.cat([sd[name][out].detach().reshape(-1).float() for name, out in keys])
@@ -197,7 +201,7 @@ def _max_over_ranks_newest_amax(sd: dict[str, Any]) -> None:
     for name, out in keys:
         live = sd[name][out]
         n = live.numel()
-        sd[name][out] = flat[offset:offset + n].view_as(live).to(live.dtype)
+        sd[name][out] = flat[offset : offset + n].view_as(live).to(live.dtype)
         offset += n
 
 
@@ -519,7 +523,7 @@ def regroup_dim1_blocks(data, scale, world: int, block: int, pad: int):
     full.view(rows, world, cols).copy_(shards.transpose(0, 1))
     scale_shards = scale.clone().view(world, srows, sp)[:, :, :blocks]
     full_scale = scale.view(-1)[: srows * full_sp].view(srows, full_sp)
-    full_scale[:, world * blocks:].zero_()
+    full_scale[:, world * blocks :].zero_()
     full_scale[:, : world * blocks].view(srows, world, blocks).copy_(scale_shards.transpose(0, 1))
     return full, full_scale
 

@@ -36,8 +36,15 @@ from data.tokenizer import config_error
 class _Position:
     """Shared bookkeeping: the batch layout and the (dp-size independent) position."""
 
-    def __init__(self, seq_len: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                 order: str, more_data_hint: str):
+    def __init__(
+        self,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        order: str,
+        more_data_hint: str,
+    ):
         self.seq_len = seq_len
         self.sample_len = seq_len + 1
         self.global_batch_size = global_batch_size
@@ -56,7 +63,8 @@ class _Position:
             f"data: the dataset packs into {n} samples of data.seq_len+1={self.sample_len} "
             f"tokens, fewer than one global batch (train.global_batch_size="
             f"{self.global_batch_size}); {self._more_data_hint}, or lower data.seq_len or "
-            "train.global_batch_size")
+            "train.global_batch_size"
+        )
 
     def state_dict(self) -> dict:
         """Plain ints/strings, identical on every rank (DCP keeps one copy)."""
@@ -64,7 +72,8 @@ class _Position:
             "samples_consumed": int(self.samples_consumed),
             "epoch": int(self.epoch),
             "epoch_start": int(self.epoch_start),
-            "samples_per_epoch": -1 if self.samples_per_epoch is None
+            "samples_per_epoch": -1
+            if self.samples_per_epoch is None
             else int(self.samples_per_epoch),
             "seq_len": int(self.seq_len),
             "order": str(self.order),
@@ -75,20 +84,26 @@ class _Position:
             raise config_error(
                 f"data.seq_len={self.seq_len} does not match the checkpoint's data position "
                 f"(seq_len={int(state['seq_len'])}); resume with data.seq_len="
-                f"{int(state['seq_len'])}")
+                f"{int(state['seq_len'])}"
+            )
         if str(state["order"]) != self.order:
             raise config_error(
                 f"data sample order {self.order!r} does not match the checkpoint's "
                 f"{str(state['order'])!r}; resume with the same data.shuffle, "
-                "data.shuffle_seed, data.shuffle_buffer and data.streaming")
+                "data.shuffle_seed, data.shuffle_buffer and data.streaming"
+            )
         saved_n = int(state["samples_per_epoch"])
-        if saved_n >= 0 and self.samples_per_epoch is not None \
-                and saved_n != self.samples_per_epoch:
+        if (
+            saved_n >= 0
+            and self.samples_per_epoch is not None
+            and saved_n != self.samples_per_epoch
+        ):
             raise config_error(
                 f"data: the dataset packs into {self.samples_per_epoch} samples per epoch but "
                 f"the checkpoint's had {saved_n}: the data changed (data.path, data.tokenizer, "
                 "data.max_bytes, or the Python version for data=embedded); resume with the "
-                "same data")
+                "same data"
+            )
 
 
 class PackedLoader(_Position):
@@ -145,8 +160,9 @@ class PackedLoader(_Position):
 class StreamingLoader(_Position):
     """Loader over an `IterableDataset`: global order = stream order, epochs restart it."""
 
-    def __init__(self, epoch_samples: Callable[[int], Iterator[np.ndarray]], *, order: str,
-                 **layout):
+    def __init__(
+        self, epoch_samples: Callable[[int], Iterator[np.ndarray]], *, order: str, **layout
+    ):
         super().__init__(order=order, **layout)
         self._epoch_samples = epoch_samples
         self._it: Iterator[np.ndarray] | None = None
@@ -158,7 +174,8 @@ class StreamingLoader(_Position):
             raise config_error(
                 f"data: the stream ended before the checkpoint's position ({skip} samples into "
                 f"epoch {self.epoch}): the data changed since the checkpoint; resume with the "
-                "same data")
+                "same data"
+            )
         return it
 
     def _next_sample(self) -> np.ndarray:
@@ -208,25 +225,33 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
-def build_loader(cfg: DataConfig, tok, *, global_batch_size: int, dp_rank: int, dp_size: int
-                 ) -> PackedLoader | StreamingLoader:
+def build_loader(
+    cfg: DataConfig, tok, *, global_batch_size: int, dp_rank: int, dp_size: int
+) -> PackedLoader | StreamingLoader:
     """This rank's loader; `next_batch()` gives its (G/dp, seq_len+1) rows of the next batch."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     if global_batch_size <= 0 or global_batch_size % dp_size:
         raise config_error(
             f"train.global_batch_size={global_batch_size} must be a positive multiple of the "
-            f"data-parallel size {dp_size}; change one of them")
+            f"data-parallel size {dp_size}; change one of them"
+        )
     if cfg.seq_len <= 0:
         raise config_error(f"data.seq_len={cfg.seq_len} must be > 0")
-    layout = dict(seq_len=cfg.seq_len, global_batch_size=global_batch_size, dp_rank=dp_rank,
-                  dp_size=dp_size)
+    layout = dict(
+        seq_len=cfg.seq_len, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size
+    )
 
     if cfg.name == "embedded":
         with _quiet_datasets():
             tokens = pack_dataset(embedded_dataset(cfg), tok, "text")
-        return PackedLoader(tokens, shuffle=cfg.shuffle, shuffle_seed=cfg.shuffle_seed,
-                            more_data_hint="raise data.max_bytes", **layout)
+        return PackedLoader(
+            tokens,
+            shuffle=cfg.shuffle,
+            shuffle_seed=cfg.shuffle_seed,
+            more_data_hint="raise data.max_bytes",
+            **layout,
+        )
     if cfg.name != "hf":
         raise config_error(f"data.name={cfg.name!r} is not one of embedded, hf")
 
@@ -235,15 +260,24 @@ def build_loader(cfg: DataConfig, tok, *, global_batch_size: int, dp_rank: int, 
     hint = "add data (data.path)"
     if not cfg.streaming:
         tokens = pack_dataset(ds, tok, cfg.text_field, desc="tokenizing")
-        return PackedLoader(tokens, shuffle=cfg.shuffle, shuffle_seed=cfg.shuffle_seed,
-                            more_data_hint=hint, **layout)
+        return PackedLoader(
+            tokens,
+            shuffle=cfg.shuffle,
+            shuffle_seed=cfg.shuffle_seed,
+            more_data_hint=hint,
+            **layout,
+        )
 
     if cfg.shuffle and cfg.shuffle_buffer <= 0:
         raise config_error(
             f"data.shuffle_buffer={cfg.shuffle_buffer} must be > 0 with data.streaming=true and "
-            "data.shuffle=true; raise it or set data.shuffle=false")
-    order = (f"buffer-shuffled(seed={cfg.shuffle_seed},buffer={cfg.shuffle_buffer})"
-             if cfg.shuffle else "sequential")
+            "data.shuffle=true; raise it or set data.shuffle=false"
+        )
+    order = (
+        f"buffer-shuffled(seed={cfg.shuffle_seed},buffer={cfg.shuffle_buffer})"
+        if cfg.shuffle
+        else "sequential"
+    )
 
     def epoch_samples(epoch: int) -> Iterator[np.ndarray]:
         stream = ds

@@ -30,8 +30,7 @@ def _ids_feature(dtype: np.dtype):
     return datasets.List(value) if hasattr(datasets, "List") else datasets.Sequence(value)
 
 
-def pack_dataset(ds: datasets.Dataset, tok, text_field: str, desc: str | None = None
-                 ) -> np.ndarray:
+def pack_dataset(ds: datasets.Dataset, tok, text_field: str, desc: str | None = None) -> np.ndarray:
     """All documents of a map-style dataset as one flat token array (uint16 or uint32).
 
     Tokenization goes through `Dataset.map`, so for datasets backed by files the result is
@@ -41,25 +40,32 @@ def pack_dataset(ds: datasets.Dataset, tok, text_field: str, desc: str | None = 
     """
     dtype = token_dtype(tok)
     fingerprint = hashlib.sha256(
-        f"{ds._fingerprint}|{tok.fingerprint}|{dtype.name}|{text_field}|{_PACKING_VERSION}"
-        .encode()).hexdigest()[:32]
+        f"{ds._fingerprint}|{tok.fingerprint}|{dtype.name}|{text_field}|{_PACKING_VERSION}".encode()
+    ).hexdigest()[:32]
 
     def tokenize(batch):
         return {"ids": documents_to_ids(tok, _texts(batch, text_field), dtype)}
 
-    mapped = ds.map(tokenize, batched=True, batch_size=_TOKENIZE_BATCH,
-                    remove_columns=ds.column_names,
-                    features=datasets.Features({"ids": _ids_feature(dtype)}),
-                    new_fingerprint=fingerprint, desc=desc)
-    parts = [chunk.flatten().to_numpy(zero_copy_only=False)
-             for chunk in mapped.data.column("ids").chunks]
+    mapped = ds.map(
+        tokenize,
+        batched=True,
+        batch_size=_TOKENIZE_BATCH,
+        remove_columns=ds.column_names,
+        features=datasets.Features({"ids": _ids_feature(dtype)}),
+        new_fingerprint=fingerprint,
+        desc=desc,
+    )
+    parts = [
+        chunk.flatten().to_numpy(zero_copy_only=False) for chunk in mapped.data.column("ids").chunks
+    ]
     if not parts:
         return np.empty(0, dtype=dtype)
     return np.concatenate(parts).astype(dtype, copy=False)
 
 
-def stream_samples(ds: datasets.IterableDataset, tok, text_field: str, sample_len: int
-                   ) -> Iterator[np.ndarray]:
+def stream_samples(
+    ds: datasets.IterableDataset, tok, text_field: str, sample_len: int
+) -> Iterator[np.ndarray]:
     """Packed samples of `sample_len` tokens from a stream of documents, in stream order."""
     dtype = token_dtype(tok)
     pending: list[np.ndarray] = []

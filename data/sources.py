@@ -64,7 +64,8 @@ def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:
     if not texts:
         raise config_error(
             f"data=embedded found no Python source under {sysconfig.get_paths()['stdlib']!r}; "
-            "use data=hf with data.path=<your text files>")
+            "use data=hf with data.path=<your text files>"
+        )
     return datasets.Dataset.from_dict({"path": paths, "text": texts})
 
 
@@ -101,20 +102,26 @@ def resolve_local_files(path: str) -> list[str] | None:
         if unsupported:
             raise config_error(
                 f"data.path={path!r} matched {unsupported[0]!r}, which is not {supported}; "
-                "narrow the pattern")
+                "narrow the pattern"
+            )
         return files
     if os.path.isdir(expanded):
-        files = sorted(f for f in glob.glob(os.path.join(expanded, "**", "*"), recursive=True)
-                       if os.path.isfile(f) and _builder_for(f) is not None)
+        files = sorted(
+            f
+            for f in glob.glob(os.path.join(expanded, "**", "*"), recursive=True)
+            if os.path.isfile(f) and _builder_for(f) is not None
+        )
         if not files:
             raise config_error(
                 f"data.path={path!r} is a directory without {supported} files; "
-                "point data.path at your data files")
+                "point data.path at your data files"
+            )
         return files
     if os.path.isfile(expanded):
         if _builder_for(expanded) is None:
             raise config_error(
-                f"data.path={path!r} is not a {supported} file; convert it or use one of those")
+                f"data.path={path!r} is not a {supported} file; convert it or use one of those"
+            )
         return [expanded]
     if _looks_local(path):
         raise config_error(f"data.path={path!r} does not exist; fix the path")
@@ -128,28 +135,35 @@ def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
     hub datasets larger than the local disk use data.streaming=true.
     """
     if not cfg.path:
-        raise config_error("data.path is required with data=hf (a hub dataset name or local "
-                           "files)")
+        raise config_error("data.path is required with data=hf (a hub dataset name or local files)")
     files = resolve_local_files(cfg.path)
     if files is not None:
         builders = sorted({_builder_for(f) for f in files})
         if len(builders) > 1:
             raise config_error(
                 f"data.path={cfg.path!r} mixes file types ({', '.join(builders)}); "
-                "use files of one type")
+                "use files of one type"
+            )
         # One .txt file is one document (like the embedded corpus), not one line.
         extra = {"sample_by": "document"} if builders[0] == "text" else {}
         try:
             return datasets.load_dataset(
-                builders[0], data_files={cfg.split: files}, split=cfg.split,
-                streaming=cfg.streaming, cache_dir=cfg.cache_dir, **extra)
+                builders[0],
+                data_files={cfg.split: files},
+                split=cfg.split,
+                streaming=cfg.streaming,
+                cache_dir=cfg.cache_dir,
+                **extra,
+            )
         except Exception as e:
             raise config_error(
                 f"data.path={cfg.path!r} could not be read as {builders[0]} ({one_line(e)}); "
-                "fix or convert the files") from None
+                "fix or convert the files"
+            ) from None
     try:
-        return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split,
-                                     streaming=cfg.streaming, cache_dir=cfg.cache_dir)
+        return datasets.load_dataset(
+            cfg.path, cfg.subset, split=cfg.split, streaming=cfg.streaming, cache_dir=cfg.cache_dir
+        )
     except Exception as e:
         raise config_error(
             f"data.path={cfg.path!r} is not a local path and could not be loaded from the hub "
@@ -166,4 +180,5 @@ def check_text_field(ds, cfg: DataConfig) -> None:
     if cfg.text_field not in columns:
         raise config_error(
             f"data.text_field={cfg.text_field!r} is not a column of the dataset; available: "
-            f"{', '.join(columns) or '(none: the dataset is empty)'}; set data.text_field")
+            f"{', '.join(columns) or '(none: the dataset is empty)'}; set data.text_field"
+        )

@@ -67,7 +67,8 @@ class HFTokenizer:
         if tok.eos_token_id is None:
             raise config_error(
                 f"data.tokenizer={name_or_path!r} has no EOS token, which separates packed "
-                "documents; use a tokenizer that defines eos_token")
+                "documents; use a tokenizer that defines eos_token"
+            )
         # Documents are longer than the model's context; packing cuts them, so silence
         # transformers' "sequence length is longer than the maximum" warning.
         tok.model_max_length = 1 << 62
@@ -96,8 +97,9 @@ class HFTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._tok(texts, add_special_tokens=False, split_special_tokens=True,
-                         return_attention_mask=False)["input_ids"]
+        return self._tok(
+            texts, add_special_tokens=False, split_special_tokens=True, return_attention_mask=False
+        )["input_ids"]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -18,8 +18,16 @@ from __future__ import annotations
 from model.config import ModelConfig
 
 #: Dense bf16 peak TFLOP/s per device by GPU name substring (datasheet, no sparsity).
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0,
-                    "B200": 2250.0, "GB200": 2500.0, "A100": 312.0, "L40S": 362.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+}
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -42,7 +42,9 @@ def full_init_value(cfg: ModelConfig, name: str, shape, seed: int, device) -> to
 def local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The slice of `full` that `param` (plain tensor or DTensor) holds on this rank."""
     if isinstance(param, DTensor):
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        return distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
     return full
 
 

@@ -10,8 +10,11 @@ def tensor_bytes(t: torch.Tensor) -> int:
     local shard; TE QuantizedTensors' data, transposes and scales) via __tensor_flatten__."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(inner) for name in names
-                   if isinstance(inner := getattr(t, name), torch.Tensor))
+        return sum(
+            tensor_bytes(inner)
+            for name in names
+            if isinstance(inner := getattr(t, name), torch.Tensor)
+        )
     return t.numel() * t.element_size()
 
 

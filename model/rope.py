@@ -34,7 +34,9 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, blended, out).float()
 
 
-def rope_freqs(cfg: ModelConfig, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+def rope_freqs(
+    cfg: ModelConfig, seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Angles (seq_len, 1, 1, head_dim) in fp32: [theta, theta] per position (TE's format)."""
     inv = inv_frequencies(cfg).to(device)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)

@@ -1,10 +1,10 @@
 """Parallel layouts: the mesh object, FSDP2/HSDP/DDP, tensor parallel for both implementations.
 
-    dims = ParallelDims(cfg.parallel, world_size)     # resolves -1, validates degrees
-    dims.validate_model(cfg.model)                    # tp divides heads, ffn, vocab
-    dims.build_mesh("cuda")                           # after init_process_group
-    model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=True)
-    dcp.save(state, planner=BlockSavePlanner())       # fc1's two-block tp shards (dcp.py)
+dims = ParallelDims(cfg.parallel, world_size)     # resolves -1, validates degrees
+dims.validate_model(cfg.model)                    # tp divides heads, ffn, vocab
+dims.build_mesh("cuda")                           # after init_process_group
+model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=True)
+dcp.save(state, planner=BlockSavePlanner())       # fc1's two-block tp shards (dcp.py)
 """
 
 from parallel.config import ParallelConfig
@@ -12,5 +12,11 @@ from parallel.dcp import BlockLoadPlanner, BlockSavePlanner, dcp_view
 from parallel.dims import ParallelDims
 from parallel.parallelize import parallelize
 
-__all__ = ["BlockLoadPlanner", "BlockSavePlanner", "ParallelConfig", "ParallelDims", "dcp_view",
-           "parallelize"]
+__all__ = [
+    "BlockLoadPlanner",
+    "BlockSavePlanner",
+    "ParallelConfig",
+    "ParallelDims",
+    "dcp_view",
+    "parallelize",
+]

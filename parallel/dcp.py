@@ -71,8 +71,9 @@ def _blocks(dt: DTensor):
     per_dim = [_runs(i) for i in local_global_indices(dt)]
     blocks = [((), (), ())]
     for runs in per_dim:
-        blocks = [(o + (g,), s + (e - b,), sl + (slice(b, e),))
-                  for o, s, sl in blocks for b, e, g in runs]
+        blocks = [
+            (o + (g,), s + (e - b,), sl + (slice(b, e),)) for o, s, sl in blocks for b, e, g in runs
+        ]
     return blocks
 
 
@@ -88,10 +89,16 @@ def _multi_chunk_dtensor(dt: DTensor) -> DTensor:
 
     def create_write_items(fqn, _obj):
         props = TensorProperties.create_from_tensor(local)
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(o, s),
-                                                      properties=props, size=size))
-                for o, s, _ in blocks]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, o),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(o, s), properties=props, size=size
+                ),
+            )
+            for o, s, _ in blocks
+        ]
 
     def create_chunk_list():
         return [ChunkStorageMetadata(o, s) for o, s, _ in blocks]

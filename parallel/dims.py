@@ -60,35 +60,45 @@ class ParallelDims:
         if cfg.name not in LAYOUTS:
             _fail(f"parallel.name={cfg.name!r} is not one of {', '.join(LAYOUTS)}")
         if cfg.cp != 1:
-            _fail(f"parallel.cp={cfg.cp} is reserved (context parallelism is not implemented); "
-                  "set parallel.cp=1")
+            _fail(
+                f"parallel.cp={cfg.cp} is reserved (context parallelism is not implemented); "
+                "set parallel.cp=1"
+            )
         degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp}
         for name, d in degrees.items():
             if d == 0 or d < -1:
                 _fail(f"parallel.{name}={d} must be a positive degree or -1 (infer)")
         inferred = [n for n, d in degrees.items() if d == -1]
         if len(inferred) > 1:
-            _fail(f"parallel.{' and parallel.'.join(inferred)} are all -1; at most one degree "
-                  "may be inferred, set the others")
+            _fail(
+                f"parallel.{' and parallel.'.join(inferred)} are all -1; at most one degree "
+                "may be inferred, set the others"
+            )
         known = 1
         for d in degrees.values():
             known *= d if d != -1 else 1
         if inferred:
             if world_size % known:
                 fixed = " x ".join(f"parallel.{n}={d}" for n, d in degrees.items() if d != -1)
-                _fail(f"{fixed} = {known} does not divide the world size {world_size}, "
-                      f"so parallel.{inferred[0]}=-1 cannot be inferred; change them or launch a "
-                      f"multiple of {known} processes")
+                _fail(
+                    f"{fixed} = {known} does not divide the world size {world_size}, "
+                    f"so parallel.{inferred[0]}=-1 cannot be inferred; change them or launch a "
+                    f"multiple of {known} processes"
+                )
             degrees[inferred[0]] = world_size // known
         product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
         if product != world_size:
-            _fail(f"parallel.dp_replicate={degrees['dp_replicate']} x "
-                  f"parallel.dp_shard={degrees['dp_shard']} x parallel.tp={degrees['tp']} = "
-                  f"{product} != world size {world_size}; set one of them to -1 or launch "
-                  f"{product} processes")
+            _fail(
+                f"parallel.dp_replicate={degrees['dp_replicate']} x "
+                f"parallel.dp_shard={degrees['dp_shard']} x parallel.tp={degrees['tp']} = "
+                f"{product} != world size {world_size}; set one of them to -1 or launch "
+                f"{product} processes"
+            )
         if cfg.name.startswith("hsdp") and degrees["dp_replicate"] < 2:
-            _fail(f"parallel.dp_replicate={degrees['dp_replicate']} with parallel={cfg.name}: "
-                  "HSDP needs dp_replicate > 1; raise it or use parallel=fsdp")
+            _fail(
+                f"parallel.dp_replicate={degrees['dp_replicate']} with parallel={cfg.name}: "
+                "HSDP needs dp_replicate > 1; raise it or use parallel=fsdp"
+            )
         dtype_of(cfg.param_dtype, "param_dtype")
         dtype_of(cfg.reduce_dtype, "reduce_dtype")
         return degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"]
@@ -98,22 +108,31 @@ class ParallelDims:
         tp = self.tp
         if tp == 1:
             return
-        for field, value in (("n_heads", mcfg.n_heads), ("n_kv_heads", mcfg.n_kv_heads),
-                             ("ffn_dim", mcfg.ffn_dim)):
+        for field, value in (
+            ("n_heads", mcfg.n_heads),
+            ("n_kv_heads", mcfg.n_kv_heads),
+            ("ffn_dim", mcfg.ffn_dim),
+        ):
             if value % tp:
-                _fail(f"model.{field}={value} is not divisible by parallel.tp={tp}; "
-                      f"pick a tp that divides it")
+                _fail(
+                    f"model.{field}={value} is not divisible by parallel.tp={tp}; "
+                    f"pick a tp that divides it"
+                )
         if mcfg.padded_vocab_size % tp:
-            _fail(f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
-                  f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
-                  f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
-                  f"of {tp}")
+            _fail(
+                f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
+                f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
+                f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
+                f"of {tp}"
+            )
 
     def validate_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
         """Sequence parallelism splits each sequence over the tp ranks."""
         if self.sequence_parallel and seq_len % self.tp:
-            _fail(f"{field}={seq_len} is not divisible by parallel.tp={self.tp}, which sequence "
-                  f"parallelism needs; change it or set parallel.sequence_parallel=false")
+            _fail(
+                f"{field}={seq_len} is not divisible by parallel.tp={self.tp}, which sequence "
+                f"parallelism needs; change it or set parallel.sequence_parallel=false"
+            )
 
     # ---- sizes and coordinates (valid before build_mesh; rank from the process group) ----
 
@@ -153,12 +172,15 @@ class ParallelDims:
                 raise RuntimeError("build_mesh: world_size > 1 needs torch.distributed initialized")
             return None
         if dist.get_world_size() != self.world_size:
-            _fail(f"ParallelDims was built for {self.world_size} ranks but the process group has "
-                  f"{dist.get_world_size()}")
+            _fail(
+                f"ParallelDims was built for {self.world_size} ranks but the process group has "
+                f"{dist.get_world_size()}"
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=DIM_NAMES)
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES
+        )
         # Keep the flattened views: slicing them back out of the root mesh is deprecated.
         self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.weight_shard_mesh = mesh["dp_shard", "tp"]._flatten("weight_shard")
@@ -193,5 +215,7 @@ class ParallelDims:
         return self._weight_shard_group
 
     def __repr__(self) -> str:
-        return (f"ParallelDims({self.cfg.name}: dp_replicate={self.dp_replicate}, "
-                f"dp_shard={self.dp_shard}, tp={self.tp}, world_size={self.world_size})")
+        return (
+            f"ParallelDims({self.cfg.name}: dp_replicate={self.dp_replicate}, "
+            f"dp_shard={self.dp_shard}, tp={self.tp}, world_size={self.world_size})"
+        )

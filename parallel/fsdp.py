@@ -34,12 +34,15 @@ def mp_policy(pcfg: ParallelConfig, mixed_precision: bool) -> MixedPrecisionPoli
     if not mixed_precision:
         # Parameters are fp32 (CPU runs): gather and reduce them as they are.
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype_of(pcfg.param_dtype, "param_dtype"),
-                                reduce_dtype=dtype_of(pcfg.reduce_dtype, "reduce_dtype"))
+    return MixedPrecisionPolicy(
+        param_dtype=dtype_of(pcfg.param_dtype, "param_dtype"),
+        reduce_dtype=dtype_of(pcfg.reduce_dtype, "reduce_dtype"),
+    )
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *,
-               mixed_precision: bool) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, mixed_precision: bool
+) -> nn.Module:
     mesh = dims.fsdp_mesh
     policy = mp_policy(pcfg, mixed_precision)
     common = {"mesh": mesh, "mp_policy": policy}

@@ -39,8 +39,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         checkpoint(block)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, impl: str, *,
-                mixed_precision: bool) -> nn.Module:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, impl: str, *, mixed_precision: bool
+) -> nn.Module:
     if impl not in ("te", "torch"):
         raise ValueError(f"parallelize: impl must be resolved to 'te' or 'torch', got {impl!r}")
     if dims.mesh is None:
@@ -52,8 +53,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, impl
         if impl == "te":
             from parallel.te_tp import apply_te_tp
 
-            apply_te_tp(model, dims.tp_mesh, sequence_parallel=dims.sequence_parallel,
-                        weight_mesh=dims.weight_shard_mesh)
+            apply_te_tp(
+                model,
+                dims.tp_mesh,
+                sequence_parallel=dims.sequence_parallel,
+                weight_mesh=dims.weight_shard_mesh,
+            )
         else:
             from parallel.tp import apply_reference_tp
 

@@ -43,8 +43,9 @@ from parallel.tp import (
 SEQUENCE_DIM = 1  # of the (B, S, D) tensors outside the blocks
 
 
-def set_te_device_mesh(module: nn.Module, prefix: str, tp_mesh, *, weight_mesh=None,
-                       sequence_parallel: bool) -> None:
+def set_te_device_mesh(
+    module: nn.Module, prefix: str, tp_mesh, *, weight_mesh=None, sequence_parallel: bool
+) -> None:
     """Makes the direct parameters of one TE module DTensors on `tp_mesh`. The one place that
     knows whether TE can do it itself."""
     if hasattr(module, "set_device_mesh"):
@@ -68,13 +69,17 @@ def set_te_device_mesh(module: nn.Module, prefix: str, tp_mesh, *, weight_mesh=N
 def apply_te_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool, weight_mesh=None) -> None:
     tp = tp_mesh.size()
     if getattr(model, "tp_size", 1) != tp:
-        raise ValueError(f"TE model was built with tp_size={getattr(model, 'tp_size', 1)} but the "
-                         f"mesh has tp={tp}; pass tp_group=dims.tp_group to build_model")
+        raise ValueError(
+            f"TE model was built with tp_size={getattr(model, 'tp_size', 1)} but the "
+            f"mesh has tp={tp}; pass tp_group=dims.tp_group to build_model"
+        )
     # The model was built with the flag (ParallelDims.sequence_parallel); the hooks must agree.
     sp = bool(getattr(model, "sequence_parallel", False))
     if sp != sequence_parallel:
-        raise ValueError(f"TE model sequence_parallel={sp} but parallel.sequence_parallel="
-                         f"{sequence_parallel}; build the model with the config's value")
+        raise ValueError(
+            f"TE model sequence_parallel={sp} but parallel.sequence_parallel="
+            f"{sequence_parallel}; build the model with the config's value"
+        )
     group = tp_mesh.get_group()
     seq_dim = SEQUENCE_DIM if sp else None
 
@@ -87,8 +92,7 @@ def apply_te_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool, weight_me
             if next(sub.parameters(recurse=False), None) is None:
                 continue
             prefix = f"layers.{i}.{sub_name}" if sub_name else f"layers.{i}"
-            set_te_device_mesh(sub, prefix, tp_mesh, weight_mesh=weight_mesh,
-                               sequence_parallel=sp)
+            set_te_device_mesh(sub, prefix, tp_mesh, weight_mesh=weight_mesh, sequence_parallel=sp)
 
     _distribute_module_params(model.norm, tp_mesh, "norm")
     use_local_weights(model.norm, {"weight": Partial()} if sp else None)

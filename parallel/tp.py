@@ -197,11 +197,14 @@ def distribute_param(param: nn.Parameter, mesh, placement: Placement) -> nn.Para
         shape = list(param.shape)
         if isinstance(placement, (Shard, _StridedShard)):
             if shape[placement.dim] % tp:
-                raise ValueError(f"dim {placement.dim} of {tuple(shape)} is not divisible by tp={tp}")
+                raise ValueError(
+                    f"dim {placement.dim} of {tuple(shape)} is not divisible by tp={tp}"
+                )
             shape[placement.dim] //= tp
         local = torch.empty(shape, dtype=param.dtype, device="meta")
-        dt = DTensor.from_local(local, mesh, [placement], run_check=False,
-                                shape=param.shape, stride=param.stride())
+        dt = DTensor.from_local(
+            local, mesh, [placement], run_check=False, shape=param.shape, stride=param.stride()
+        )
     else:
         dt = distribute_tensor(param.detach(), mesh, [placement])
     return nn.Parameter(dt, requires_grad=param.requires_grad)
@@ -211,8 +214,14 @@ def local_to_dtensor_param(param: nn.Parameter, mesh, placement: Placement) -> n
     """A parameter that already holds this rank's part (TE's TP modules) -> DTensor parameter
     with the global shape."""
     shape = _global_shape(param.shape, placement, mesh.size())
-    dt = DTensor.from_local(param.detach(), mesh, [placement], run_check=False,
-                            shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    dt = DTensor.from_local(
+        param.detach(),
+        mesh,
+        [placement],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 
 
@@ -316,7 +325,9 @@ def column_output_input(module: nn.Module, group, *, sequence_dim: int | None = 
     if sequence_dim is None:
         module.register_forward_hook(lambda mod, args, out: copy_to_tp(out, group))
     else:
-        module.register_forward_hook(lambda mod, args, out: gather_from_sp(out, sequence_dim, group))
+        module.register_forward_hook(
+            lambda mod, args, out: gather_from_sp(out, sequence_dim, group)
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,8 +349,11 @@ def apply_reference_tp(model: nn.Module, tp_mesh) -> None:
     vocab_parallel_embedding(model.embed, group)
     for i, block in enumerate(model.layers):
         attn, mlp = block.self_attention, block.layernorm_mlp
-        for mod, path in ((attn.layernorm_qkv, "self_attention.layernorm_qkv"),
-                          (attn.proj, "self_attention.proj"), (mlp, "layernorm_mlp")):
+        for mod, path in (
+            (attn.layernorm_qkv, "self_attention.layernorm_qkv"),
+            (attn.proj, "self_attention.proj"),
+            (mlp, "layernorm_mlp"),
+        ):
             _distribute_module_params(mod, tp_mesh, f"layers.{i}.{path}")
         column_input(attn.layernorm_qkv, group)
         use_local_weights(attn.layernorm_qkv, partial)

@@ -27,9 +27,14 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, errors):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
@@ -50,8 +55,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -467,8 +467,11 @@ def test_resume_refuses_to_drop_optimizer_state(tmp_path):
     model = plain_model()
     optimizer, scheduler, train_state, state = build_training(model, FakeLoader())
     first = next(model.parameters())
-    optimizer.state[first] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(first),
-                              "exp_avg_sq": torch.zeros_like(first)}
+    optimizer.state[first] = {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros_like(first),
+        "exp_avg_sq": torch.zeros_like(first),
+    }
     ckpt = CheckpointManager(ckpt_cfg(), tmp_path, log=lambda m: None)
     with pytest.raises(ConfigError, match=r"'optimizer\.state\..*' would not be loaded"):
         ckpt.resume(state)

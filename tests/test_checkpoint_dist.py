@@ -400,8 +400,12 @@ def _legacy_save(rank, world_size, run_dir):
 def gathered_optimizer_states(model, optimizer) -> dict[str, torch.Tensor]:
     """{"<param name>.<state>": full tensor} for every tensor state of the optimizer."""
     names = {id(q): n for n, q in model.named_parameters()}
-    return {f"{names[id(p)]}.{k}": v.full_tensor()
-            for p, st in optimizer.state.items() for k, v in st.items() if v.ndim}
+    return {
+        f"{names[id(p)]}.{k}": v.full_tensor()
+        for p, st in optimizer.state.items()
+        for k, v in st.items()
+        if v.ndim
+    }
 
 
 def _legacy_load(rank, world_size, run_dir):
@@ -409,9 +413,15 @@ def _legacy_load(rank, world_size, run_dir):
     optimizer = LegacyAdamW(model.parameters(), lr=1e-3)
     _, _, _, state = build_training(model, loader)
     state["optimizer"].optimizer = optimizer
+
     def manager(resume: str) -> CheckpointManager:
-        return CheckpointManager(CheckpointConfig(mode="none", resume=resume), Path(run_dir),
-                                 rank, world_size, log=lambda m: None)
+        return CheckpointManager(
+            CheckpointConfig(mode="none", resume=resume),
+            Path(run_dir),
+            rank,
+            world_size,
+            log=lambda m: None,
+        )
 
     ckpt = manager(f"{run_dir}/fixed")
     assert ckpt.resume(state) == 2
@@ -447,10 +457,12 @@ def _scaling_meta(rank: int):
         h[0] = torch.tensor(newest)
         return h
 
-    fwd = SimpleNamespace(scale=torch.tensor([2.0, 4.0, 8.0]),
-                          amax_history=history([0.0, 0.5 + rank, 0.0]))
-    bwd = SimpleNamespace(scale=torch.tensor([1.0, 1.0]),
-                          amax_history=history([3.0 - rank, 1.0, 0.0])[:, :2].clone())
+    fwd = SimpleNamespace(
+        scale=torch.tensor([2.0, 4.0, 8.0]), amax_history=history([0.0, 0.5 + rank, 0.0])
+    )
+    bwd = SimpleNamespace(
+        scale=torch.tensor([1.0, 1.0]), amax_history=history([3.0 - rank, 1.0, 0.0])[:, :2].clone()
+    )
     return SimpleNamespace(fp8_meta={"scaling_fwd": fwd, "scaling_bwd": bwd, "num_gemms": 1})
 
 

@@ -20,21 +20,27 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def losses(steps, k=None, delta=0.0):
     """A loss curve; from step k on (if given) shifted by delta."""
-    return {s: 5.0 / (1 + 0.1 * s) + (delta if k is not None and s >= k else 0.0)
-            for s in steps}
+    return {s: 5.0 / (1 + 0.1 * s) + (delta if k is not None and s >= k else 0.0) for s in steps}
 
 
 def write_run(run_dir: Path, loss: dict[int, float], grad_norm: float = 1.0) -> Path:
     run_dir.mkdir(parents=True)
-    lines = [json.dumps({"step": s, "loss": v, "grad_norm": grad_norm * s, "mfu": None})
-             for s, v in sorted(loss.items())]
+    lines = [
+        json.dumps({"step": s, "loss": v, "grad_norm": grad_norm * s, "mfu": None})
+        for s, v in sorted(loss.items())
+    ]
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
 
 
 def cli(*args, cwd=ROOT):
-    r = subprocess.run([sys.executable, "tools/compare_runs.py", *map(str, args)], cwd=cwd,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "tools/compare_runs.py", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return r.returncode, r.stdout + r.stderr
 
 
@@ -140,8 +146,12 @@ run.finish()
 
 def wandb_segment(tmp: Path, first: int, last: int, offset: float = 0.0):
     env = dict(os.environ, WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
-    subprocess.run([sys.executable, "-c", WANDB_SCRIPT, str(first), str(last), str(offset),
-                    str(tmp)], check=True, env=env, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", WANDB_SCRIPT, str(first), str(last), str(offset), str(tmp)],
+        check=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_wandb_offline_segments(tmp_path):
@@ -162,8 +172,7 @@ def test_wandb_offline_segments(tmp_path):
 
     ref = write_run(tmp_path / "ref", {s: 5.0 / (1 + 0.1 * s) for s in range(1, 151)})
     first_segment = segments[0].path.parent
-    rc, out = cli(ref, first_segment, "--assert-equal", "--metrics", "loss,grad_norm",
-                  "--no-plot")
+    rc, out = cli(ref, first_segment, "--assert-equal", "--metrics", "loss,grad_norm", "--no-plot")
     assert rc == 0 and "150 common steps" in out, out
     rc, out = cli(ref, tmp_path / "wandb", "--assert-equal", "--no-plot")
     assert rc == 1 and "first step beyond bitwise: step 121" in out, out

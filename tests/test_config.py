@@ -35,14 +35,17 @@ def test_default_composes_and_validates():
     assert impl == "torch" and grad_accum == 1 and dims.dp_size == 1
 
 
-@pytest.mark.parametrize("group,options", [
-    ("model", ["tiny", "small", "llama3_1b", "llama3_8b", "llama3_70b"]),
-    ("recipe", ["bf16", "fp8_delayed", "fp8_cs", "fp8_block", "mxfp8", "nvfp4"]),
-    ("parallel", ["ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp"]),
-    ("checkpoint", ["none", "sync", "async", "async_process"]),
-    ("data", ["embedded", "hf"]),
-    ("logger", ["default", "wandb"]),
-])
+@pytest.mark.parametrize(
+    "group,options",
+    [
+        ("model", ["tiny", "small", "llama3_1b", "llama3_8b", "llama3_70b"]),
+        ("recipe", ["bf16", "fp8_delayed", "fp8_cs", "fp8_block", "mxfp8", "nvfp4"]),
+        ("parallel", ["ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp"]),
+        ("checkpoint", ["none", "sync", "async", "async_process"]),
+        ("data", ["embedded", "hf"]),
+        ("logger", ["default", "wandb"]),
+    ],
+)
 def test_every_group_option_composes(group, options):
     for option in options:
         cfg = load(f"{group}={option}")
@@ -55,14 +58,22 @@ def test_llama3_shapes():
     cfg = load("model=llama3_8b")
     m = cfg.model
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (
-        4096, 32, 32, 8, 14336, 128256)
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        128256,
+    )
     assert m.padded_vocab_size == 128256 and m.rope_scaling.factor == 8.0
     assert load("model=llama3_1b").model.tie_embeddings
     assert load("model=llama3_70b").model.n_layers == 80
 
 
 def test_big_composition_from_issue():
-    cfg = load("model=llama3_8b", "recipe=fp8_cs", "parallel=hsdp_tp", "checkpoint=async", "data=hf")
+    cfg = load(
+        "model=llama3_8b", "recipe=fp8_cs", "parallel=hsdp_tp", "checkpoint=async", "data=hf"
+    )
     assert cfg.checkpoint.mode == "async" and cfg.parallel.tp == 2 and cfg.data.name == "hf"
 
 
@@ -70,12 +81,21 @@ def test_big_composition_from_issue():
 BAD = [
     (["optim.lr=-1"], 1, "optim.lr=-1.0 must be > 0"),
     (["data.seq_len=4096"], 1, "data.seq_len=4096 exceeds model.max_seq_len=2048"),
-    (["train.global_batch_size=10", "train.micro_batch_size=4"], 1,
-     "train.global_batch_size=10 must be divisible by train.micro_batch_size=4"),
-    (["train.global_batch_size=6"], 4,
-     "train.global_batch_size=6 must be divisible by the data-parallel size 4"),
-    (["train.global_batch_size=8", "train.micro_batch_size=3"], 2,
-     "train.global_batch_size=8 must be divisible by train.micro_batch_size=3 x data-parallel size 2"),
+    (
+        ["train.global_batch_size=10", "train.micro_batch_size=4"],
+        1,
+        "train.global_batch_size=10 must be divisible by train.micro_batch_size=4",
+    ),
+    (
+        ["train.global_batch_size=6"],
+        4,
+        "train.global_batch_size=6 must be divisible by the data-parallel size 4",
+    ),
+    (
+        ["train.global_batch_size=8", "train.micro_batch_size=3"],
+        2,
+        "train.global_batch_size=8 must be divisible by train.micro_batch_size=3 x data-parallel size 2",
+    ),
     (["model.impl=te"], 1, "model.impl=te needs a CUDA GPU and transformer_engine"),
     (["recipe=fp8_cs", "model.impl=torch"], 1, "recipe=fp8_cs needs the TE implementation"),
     (["recipe=mxfp8"], 1, "recipe=mxfp8 needs"),
@@ -106,12 +126,15 @@ def test_tp2_on_two_ranks_is_valid():
     assert dims.tp == 2
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model=foo"], "Could not find 'model/foo'"),
-    (["model.dim=abc"], "model.dim"),
-    (["model.typo=1"], "typo"),
-    (["train.steps=1.5"], "train.steps"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model=foo"], "Could not find 'model/foo'"),
+        (["model.dim=abc"], "model.dim"),
+        (["model.typo=1"], "typo"),
+        (["train.steps=1.5"], "train.steps"),
+    ],
+)
 def test_hydra_rejects_unknown_option_key_and_type(overrides, message):
     with pytest.raises((HydraException, OmegaConfBaseException)) as err:
         load(*overrides)
@@ -120,15 +143,24 @@ def test_hydra_rejects_unknown_option_key_and_type(overrides, message):
 
 def run_cli(*overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HYDRA_FULL_ERROR="0")
-    return subprocess.run([sys.executable, "train.py", *overrides, "run.root=/nonexistent-never-created"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "train.py", *overrides, "run.root=/nonexistent-never-created"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
-    (["recipe=fp8_cs"], "error: recipe=fp8_cs needs"),
-    (["model=foo"], "Could not find 'model/foo'"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
+        (["recipe=fp8_cs"], "error: recipe=fp8_cs needs"),
+        (["model=foo"], "Could not find 'model/foo'"),
+    ],
+)
 def test_cli_bad_input_one_line_no_traceback(overrides, message):
     r = run_cli(*overrides)
     assert r.returncode != 0

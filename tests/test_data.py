@@ -26,8 +26,10 @@ def tiny_embedded(**kw) -> DataConfig:
 
 def global_batches(cfg, tok, steps, dp_size, G=8, loaders=None):
     """Concatenation of all ranks' rows, step by step: the global batches."""
-    loaders = loaders or [build_loader(cfg, tok, global_batch_size=G, dp_rank=r, dp_size=dp_size)
-                          for r in range(dp_size)]
+    loaders = loaders or [
+        build_loader(cfg, tok, global_batch_size=G, dp_rank=r, dp_size=dp_size)
+        for r in range(dp_size)
+    ]
     out = []
     for _ in range(steps):
         parts = [ld.next_batch() for ld in loaders]
@@ -47,6 +49,7 @@ def expected_stream(tok, docs) -> np.ndarray:
 
 # --- tokenizer and embedded corpus ---------------------------------------------------------
 
+
 def test_byte_tokenizer_roundtrip():
     tok = build_tokenizer(DataConfig(tokenizer="byte"))
     assert isinstance(tok, ByteTokenizer)
@@ -64,8 +67,9 @@ def test_embedded_corpus_deterministic_and_real():
     paths2, texts2 = stdlib_documents(cfg.max_bytes)
     assert paths1 == paths2 and texts1 == texts2
     assert len(set(paths1)) == len(paths1) and all(p.endswith(".py") for p in paths1)
-    assert not any(part in ("test", "tests", "site-packages") for p in paths1
-                   for part in p.split(os.sep))
+    assert not any(
+        part in ("test", "tests", "site-packages") for p in paths1 for part in p.split(os.sep)
+    )
     total = sum(len(t.encode("utf-8")) for t in texts1)
     assert 1_900_000 < total <= 2_000_000
     joined = "".join(texts1)
@@ -80,10 +84,11 @@ def test_embedded_corpus_deterministic_and_real():
     a, b = pack_dataset(ds, tok, "text"), pack_dataset(embedded_dataset(cfg), tok, "text")
     assert a.dtype == np.uint16 and np.array_equal(a, b)
     assert len(a) == total + 2 * len(texts1)
-    np.testing.assert_array_equal(a[: 20_000], expected_stream(tok, texts1)[: 20_000])
+    np.testing.assert_array_equal(a[:20_000], expected_stream(tok, texts1)[:20_000])
 
 
 # --- global batch and resume contract --------------------------------------------------------
+
 
 def test_global_batch_independent_of_dp_size():
     tok = ByteTokenizer()
@@ -106,14 +111,15 @@ def test_epoch_is_a_permutation_and_epochs_differ():
     loader = build_loader(cfg, tok, global_batch_size=8, dp_rank=0, dp_size=1)
     n = loader.samples_per_epoch
     stream = torch.from_numpy(
-        pack_dataset(embedded_dataset(cfg), tok, "text")[: n * 33].astype(np.int64))
+        pack_dataset(embedded_dataset(cfg), tok, "text")[: n * 33].astype(np.int64)
+    )
     all_samples = stream.view(n, 33)
     steps = -(-2 * n // 8)
     rows = torch.cat(global_batches(cfg, tok, steps, 1, loaders=[loader])[0])
     key = lambda t: sorted(tuple(r.tolist()) for r in t)  # noqa: E731
-    assert key(rows[:n]) == key(all_samples)            # epoch 0: every sample exactly once
-    assert key(rows[n: 2 * n]) == key(all_samples)      # epoch 1 too
-    assert not torch.equal(rows[:n], rows[n: 2 * n])    # in a different order
+    assert key(rows[:n]) == key(all_samples)  # epoch 0: every sample exactly once
+    assert key(rows[n : 2 * n]) == key(all_samples)  # epoch 1 too
+    assert not torch.equal(rows[:n], rows[n : 2 * n])  # in a different order
     assert loader.state_dict()["epoch"] == (steps * 8) // n
 
 
@@ -126,10 +132,12 @@ def test_resume_is_exact_across_dp_sizes_and_epochs(save_dp, load_dp, k):
     first, loaders = global_batches(cfg, tok, k, dp_size=save_dp)
     states = [ld.state_dict() for ld in loaders]
     assert all(s == states[0] for s in states)  # rank independent: DCP keeps one copy
-    state = json.loads(json.dumps(states[0]))     # plain ints/strings only
+    state = json.loads(json.dumps(states[0]))  # plain ints/strings only
     assert state["samples_consumed"] == 8 * k
-    resumed = [build_loader(cfg, tok, global_batch_size=8, dp_rank=r, dp_size=load_dp)
-               for r in range(load_dp)]
+    resumed = [
+        build_loader(cfg, tok, global_batch_size=8, dp_rank=r, dp_size=load_dp)
+        for r in range(load_dp)
+    ]
     for ld in resumed:
         ld.load_state_dict(state)
     rest, _ = global_batches(cfg, tok, total - k, load_dp, loaders=resumed)
@@ -143,21 +151,23 @@ def test_resume_rejects_a_different_sample_layout():
     loader = build_loader(tiny_embedded(), tok, global_batch_size=8, dp_rank=0, dp_size=1)
     loader.next_batch()
     state = loader.state_dict()
-    other = build_loader(tiny_embedded(seq_len=16), tok, global_batch_size=8, dp_rank=0,
-                         dp_size=1)
+    other = build_loader(tiny_embedded(seq_len=16), tok, global_batch_size=8, dp_rank=0, dp_size=1)
     with pytest.raises(ConfigError, match=r"^data.seq_len=16 does not match .*seq_len=32"):
         other.load_state_dict(state)
-    other = build_loader(tiny_embedded(shuffle_seed=4), tok, global_batch_size=8, dp_rank=0,
-                         dp_size=1)
+    other = build_loader(
+        tiny_embedded(shuffle_seed=4), tok, global_batch_size=8, dp_rank=0, dp_size=1
+    )
     with pytest.raises(ConfigError, match="data.shuffle_seed"):
         other.load_state_dict(state)
-    other = build_loader(tiny_embedded(max_bytes=13_000), tok, global_batch_size=8, dp_rank=0,
-                         dp_size=1)
+    other = build_loader(
+        tiny_embedded(max_bytes=13_000), tok, global_batch_size=8, dp_rank=0, dp_size=1
+    )
     with pytest.raises(ConfigError, match="the data changed"):
         other.load_state_dict(state)
 
 
 # --- hf: local files ---------------------------------------------------------------------
+
 
 def write_files(root, kind):
     root.mkdir(parents=True, exist_ok=True)
@@ -172,8 +182,10 @@ def write_files(root, kind):
 
         for part in range(2):
             rows = range(part * 30, part * 30 + 30)
-            pq.write_table(pa.table({"id": list(rows), "text": [DOCS[i] for i in rows]}),
-                           root / f"part{part}.parquet")
+            pq.write_table(
+                pa.table({"id": list(rows), "text": [DOCS[i] for i in rows]}),
+                root / f"part{part}.parquet",
+            )
     else:
         for i, d in enumerate(DOCS):
             (root / f"doc{i:03d}.txt").write_text(d, encoding="utf-8")
@@ -182,8 +194,14 @@ def write_files(root, kind):
 
 
 def hf_cfg(tmp_path, path, **kw) -> DataConfig:
-    base = dict(name="hf", path=str(path), tokenizer="byte", seq_len=32, shuffle=False,
-                cache_dir=str(tmp_path / "cache"))
+    base = dict(
+        name="hf",
+        path=str(path),
+        tokenizer="byte",
+        seq_len=32,
+        shuffle=False,
+        cache_dir=str(tmp_path / "cache"),
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -206,13 +224,16 @@ def test_hf_glob_and_single_file(tmp_path):
     root = write_files(tmp_path / "j", "jsonl")
     tok = ByteTokenizer()
     ref = build_loader(hf_cfg(tmp_path, root), tok, global_batch_size=4, dp_rank=0, dp_size=1)
-    glob = build_loader(hf_cfg(tmp_path, root / "part*.jsonl"), tok, global_batch_size=4,
-                        dp_rank=0, dp_size=1)
+    glob = build_loader(
+        hf_cfg(tmp_path, root / "part*.jsonl"), tok, global_batch_size=4, dp_rank=0, dp_size=1
+    )
     assert torch.equal(ref.next_batch(), glob.next_batch())
-    single = build_loader(hf_cfg(tmp_path, root / "part1.jsonl"), tok, global_batch_size=4,
-                          dp_rank=0, dp_size=1)
-    np.testing.assert_array_equal(single.next_batch()[0].numpy(),
-                                  expected_stream(tok, DOCS[30:])[:33])
+    single = build_loader(
+        hf_cfg(tmp_path, root / "part1.jsonl"), tok, global_batch_size=4, dp_rank=0, dp_size=1
+    )
+    np.testing.assert_array_equal(
+        single.next_batch()[0].numpy(), expected_stream(tok, DOCS[30:])[:33]
+    )
 
 
 def test_streaming_matches_map_style_and_resumes(tmp_path):
@@ -229,8 +250,9 @@ def test_streaming_matches_map_style_and_resumes(tmp_path):
     # Resume streaming at a different dp size, mid-epoch 0 and into epoch 1.
     k = n // 4 - 1
     first, old = global_batches(stream_cfg, tok, k, dp_size=4, G=4)
-    new = [build_loader(stream_cfg, tok, global_batch_size=4, dp_rank=r, dp_size=2)
-           for r in range(2)]
+    new = [
+        build_loader(stream_cfg, tok, global_batch_size=4, dp_rank=r, dp_size=2) for r in range(2)
+    ]
     for ld in new:
         ld.load_state_dict(old[0].state_dict())
     rest, _ = global_batches(stream_cfg, tok, steps - k, 2, G=4, loaders=new)
@@ -249,14 +271,15 @@ def test_streaming_shuffled_is_deterministic_and_resumes(tmp_path):
     root = write_files(tmp_path / "j", "jsonl")
     tok = ByteTokenizer()
     cfg = hf_cfg(tmp_path, root, streaming=True, shuffle=True, shuffle_buffer=16, shuffle_seed=7)
-    n = build_loader(hf_cfg(tmp_path, root), tok, global_batch_size=4, dp_rank=0,
-                     dp_size=1).samples_per_epoch
+    n = build_loader(
+        hf_cfg(tmp_path, root), tok, global_batch_size=4, dp_rank=0, dp_size=1
+    ).samples_per_epoch
     steps = 2 * (n // 4) + 2
     ref, _ = global_batches(cfg, tok, steps, dp_size=1, G=4)
     unshuffled, _ = global_batches(hf_cfg(tmp_path, root, streaming=True), tok, 2, 1, G=4)
     assert not torch.equal(ref[0], unshuffled[0])
     rows = torch.cat(ref)  # an epoch is n samples, whatever the document order
-    epoch0, epoch1 = rows[:n].flatten(), rows[n: 2 * n].flatten()
+    epoch0, epoch1 = rows[:n].flatten(), rows[n : 2 * n].flatten()
     assert not torch.equal(epoch0, epoch1)  # reshuffled per epoch
     # Same documents, shuffled: every document appears once per epoch (fully packed ones).
     text0 = tok.decode(epoch0.tolist())
@@ -279,17 +302,20 @@ def make_local_tokenizer(path):
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.train_from_iterator(
         ["the cat sat on the mat", "a dog ate the bone", "hello world again"],
-        trainers.WordLevelTrainer(special_tokens=["[UNK]", "[BOS]", "[EOS]"]))
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", bos_token="[BOS]",
-                            eos_token="[EOS]").save_pretrained(path)
+        trainers.WordLevelTrainer(special_tokens=["[UNK]", "[BOS]", "[EOS]"]),
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]"
+    ).save_pretrained(path)
     return str(path)
 
 
 def test_auto_tokenizer_from_local_path(tmp_path):
     path = make_local_tokenizer(tmp_path / "tok")
     tok = build_tokenizer(DataConfig(tokenizer=path))
-    assert tok.vocab_size == 3 + len({"the", "cat", "sat", "on", "mat", "a", "dog", "ate",
-                                       "bone", "hello", "world", "again"})
+    assert tok.vocab_size == 3 + len(
+        {"the", "cat", "sat", "on", "mat", "a", "dog", "ate", "bone", "hello", "world", "again"}
+    )
     assert (tok.bos_id, tok.eos_id) == (1, 2)
     ids = tok.encode("the dog sat on the mat")
     assert len(ids) == 6 and ids[0] == ids[4] and tok.decode(ids) == "the dog sat on the mat"
@@ -309,6 +335,7 @@ def test_auto_tokenizer_from_local_path(tmp_path):
 
 # --- errors --------------------------------------------------------------------------------
 
+
 def one_line_error(fn, pattern):
     with pytest.raises(ConfigError, match=pattern) as info:
         fn()
@@ -322,10 +349,11 @@ def test_errors(tmp_path):
 
     def load(**kw):
         G = kw.pop("G", 4)
-        return build_loader(hf_cfg(tmp_path, **kw), tok, global_batch_size=G, dp_rank=0,
-                            dp_size=1)
+        return build_loader(hf_cfg(tmp_path, **kw), tok, global_batch_size=G, dp_rank=0, dp_size=1)
 
-    one_line_error(lambda: load(path=tmp_path / "missing"), r"^data.path=.*missing.* does not exist")
+    one_line_error(
+        lambda: load(path=tmp_path / "missing"), r"^data.path=.*missing.* does not exist"
+    )
     one_line_error(lambda: load(path="./nope/train.jsonl"), "does not exist; fix the path")
     one_line_error(lambda: load(path=tmp_path / "*.parquet"), "matched no files")
     (tmp_path / "empty").mkdir()
@@ -334,25 +362,41 @@ def test_errors(tmp_path):
     (tmp_path / "mixed" / "a.txt").write_text("x")
     (tmp_path / "mixed" / "b.jsonl").write_text('{"text": "y"}\n')
     one_line_error(lambda: load(path=tmp_path / "mixed"), "mixes file types")
-    msg = one_line_error(lambda: load(path=root, text_field="content"),
-                         r"^data.text_field='content' is not a column")
+    msg = one_line_error(
+        lambda: load(path=root, text_field="content"), r"^data.text_field='content' is not a column"
+    )
     assert "available: id, text" in msg
-    msg = one_line_error(lambda: load(path=root, text_field="body", streaming=True),
-                         r"^data.text_field='body' is not a column")
+    msg = one_line_error(
+        lambda: load(path=root, text_field="body", streaming=True),
+        r"^data.text_field='body' is not a column",
+    )
     assert "id, text" in msg
-    one_line_error(lambda: load(path=root, G=4096), r"fewer than one global batch "
-                   r"\(train.global_batch_size=4096\)")
+    one_line_error(
+        lambda: load(path=root, G=4096),
+        r"fewer than one global batch "
+        r"\(train.global_batch_size=4096\)",
+    )
     one_line_error(lambda: load(path=root, G=4096, streaming=True), "fewer than one global batch")
-    one_line_error(lambda: build_loader(tiny_embedded(max_bytes=200), tok, global_batch_size=8,
-                                        dp_rank=0, dp_size=1), "raise data.max_bytes")
-    one_line_error(lambda: build_loader(tiny_embedded(), tok, global_batch_size=6, dp_rank=0,
-                                        dp_size=4), r"global_batch_size=6 must be a positive "
-                   "multiple of the data-parallel size 4")
+    one_line_error(
+        lambda: build_loader(
+            tiny_embedded(max_bytes=200), tok, global_batch_size=8, dp_rank=0, dp_size=1
+        ),
+        "raise data.max_bytes",
+    )
+    one_line_error(
+        lambda: build_loader(tiny_embedded(), tok, global_batch_size=6, dp_rank=0, dp_size=4),
+        r"global_batch_size=6 must be a positive "
+        "multiple of the data-parallel size 4",
+    )
     (tmp_path / "notok").mkdir()
-    one_line_error(lambda: build_tokenizer(DataConfig(tokenizer=str(tmp_path / "notok"))),
-                   r"^data.tokenizer=.*notok.* cannot be loaded")
-    one_line_error(lambda: build_tokenizer(DataConfig(tokenizer=str(tmp_path / "absent"))),
-                   r"^data.tokenizer=.*absent.* cannot be loaded")
+    one_line_error(
+        lambda: build_tokenizer(DataConfig(tokenizer=str(tmp_path / "notok"))),
+        r"^data.tokenizer=.*notok.* cannot be loaded",
+    )
+    one_line_error(
+        lambda: build_tokenizer(DataConfig(tokenizer=str(tmp_path / "absent"))),
+        r"^data.tokenizer=.*absent.* cannot be loaded",
+    )
 
 
 def test_tokenized_cache_follows_file_content_and_tokenizer(tmp_path):
@@ -372,15 +416,15 @@ def test_tokenized_cache_follows_file_content_and_tokenizer(tmp_path):
     assert byte.decode(a) == "the cat" and byte.decode(b) == "a dog a"
     words = build_tokenizer(DataConfig(tokenizer=make_local_tokenizer(tmp_path / "tok")))
     c = first_row(words)  # same files, other tokenizer
-    np.testing.assert_array_equal(c.numpy(),
-                                  expected_stream(words, ["a dog ate the bone now"])[:8])
+    np.testing.assert_array_equal(c.numpy(), expected_stream(words, ["a dog ate the bone now"])[:8])
 
 
 def _save_loader_with_dcp(rank, world_size, ckpt_dir):
     import torch.distributed.checkpoint as dcp
 
-    loader = build_loader(tiny_embedded(), ByteTokenizer(), global_batch_size=8, dp_rank=rank,
-                          dp_size=world_size)
+    loader = build_loader(
+        tiny_embedded(), ByteTokenizer(), global_batch_size=8, dp_rank=rank, dp_size=world_size
+    )
     for _ in range(50):  # into epoch 1
         loader.next_batch()
     dcp.save({"data": loader}, checkpoint_id=ckpt_dir)
@@ -399,8 +443,9 @@ def test_loader_state_through_dcp_from_2_ranks_to_1(tmp_path):
     dcp.load({"data": resumed}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert resumed.samples_consumed == 400 and resumed.state_dict()["epoch"] == 1
     ref, _ = global_batches(cfg, tok, 53, dp_size=1)
-    assert all(torch.equal(a, b) for a, b in zip(ref[50:], [resumed.next_batch()
-                                                            for _ in range(3)]))
+    assert all(
+        torch.equal(a, b) for a, b in zip(ref[50:], [resumed.next_batch() for _ in range(3)])
+    )
 
 
 def test_hub_dataset_that_cannot_be_loaded(tmp_path, monkeypatch):
@@ -410,8 +455,14 @@ def test_hub_dataset_that_cannot_be_loaded(tmp_path, monkeypatch):
     # Offline mode fails at once instead of retrying a network that is not there.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    one_line_error(lambda: build_loader(hf_cfg(tmp_path, "someorg/no-such-dataset"),
-                                        ByteTokenizer(), global_batch_size=4, dp_rank=0,
-                                        dp_size=1),
-                   r"^data.path='someorg/no-such-dataset' is not a local path and could not "
-                   r"be loaded from the hub \(.*\); check the name")
+    one_line_error(
+        lambda: build_loader(
+            hf_cfg(tmp_path, "someorg/no-such-dataset"),
+            ByteTokenizer(),
+            global_batch_size=4,
+            dp_rank=0,
+            dp_size=1,
+        ),
+        r"^data.path='someorg/no-such-dataset' is not a local path and could not "
+        r"be loaded from the hub \(.*\); check the name",
+    )

@@ -225,9 +225,13 @@ def test_qkv_rows_follow_hf_heads():
     hp = "model.layers.1.self_attn."
     for g in range(cfg.n_kv_heads):
         heads = hf_sd[hp + "q_proj.weight"].view(cfg.n_heads, hd, cfg.dim)
-        want = torch.cat([*heads[g * q_per_kv : (g + 1) * q_per_kv],
-                          hf_sd[hp + "k_proj.weight"].view(-1, hd, cfg.dim)[g],
-                          hf_sd[hp + "v_proj.weight"].view(-1, hd, cfg.dim)[g]])
+        want = torch.cat(
+            [
+                *heads[g * q_per_kv : (g + 1) * q_per_kv],
+                hf_sd[hp + "k_proj.weight"].view(-1, hd, cfg.dim)[g],
+                hf_sd[hp + "v_proj.weight"].view(-1, hd, cfg.dim)[g],
+            ]
+        )
         assert torch.equal(groups[g], want), g
 
 

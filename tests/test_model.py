@@ -241,8 +241,9 @@ def test_fused_qkv_matches_separate_projections(n_kv_heads):
     parts = []
     for i in range(cfg.n_layers):
         q = torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim, generator=g) * 0.1
-        k, v = (torch.randn(n_kv_heads * cfg.head_dim, cfg.dim, generator=g) * 0.1
-                for _ in range(2))
+        k, v = (
+            torch.randn(n_kv_heads * cfg.head_dim, cfg.dim, generator=g) * 0.1 for _ in range(2)
+        )
         parts.append((q, k, v))
         sd[f"layers.{i}.{QKV}"] = interleave_by_loop(q, k, v, cfg.n_heads, n_kv_heads)
     model.load_state_dict(sd)
@@ -271,10 +272,12 @@ def test_gqa_matches_repeated_kv_heads():
     for i in range(cfg.n_layers):
         key = f"layers.{i}.{QKV}"
         q, k, v = split_qkv(sd[key], cfg.n_heads, cfg.n_kv_heads)
-        k, v = (t.view(cfg.n_kv_heads, cfg.head_dim, cfg.dim).repeat_interleave(rep, 0)
-                for t in (k, v))
-        sd[key] = interleave_by_loop(q, k.reshape(-1, cfg.dim), v.reshape(-1, cfg.dim),
-                                     cfg.n_heads, cfg.n_heads)
+        k, v = (
+            t.view(cfg.n_kv_heads, cfg.head_dim, cfg.dim).repeat_interleave(rep, 0) for t in (k, v)
+        )
+        sd[key] = interleave_by_loop(
+            q, k.reshape(-1, cfg.dim), v.reshape(-1, cfg.dim), cfg.n_heads, cfg.n_heads
+        )
     mha.load_state_dict(sd)
     x = tokens(cfg)
     with torch.no_grad():

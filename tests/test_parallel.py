@@ -36,15 +36,18 @@ def fails(pcfg: ParallelConfig, world: int, *fields: str, mcfg: ModelConfig | No
     return msg
 
 
-@pytest.mark.parametrize("name, world, expect", [
-    ("fsdp", 1, (1, 1, 1)),
-    ("fsdp", 8, (1, 8, 1)),
-    ("ddp", 4, (4, 1, 1)),
-    ("hsdp", 8, (2, 4, 1)),
-    ("tp", 4, (1, 1, 4)),
-    ("fsdp_tp", 8, (1, 4, 2)),
-    ("hsdp_tp", 8, (2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "name, world, expect",
+    [
+        ("fsdp", 1, (1, 1, 1)),
+        ("fsdp", 8, (1, 8, 1)),
+        ("ddp", 4, (4, 1, 1)),
+        ("hsdp", 8, (2, 4, 1)),
+        ("tp", 4, (1, 1, 4)),
+        ("fsdp_tp", 8, (1, 4, 2)),
+        ("hsdp_tp", 8, (2, 2, 2)),
+    ],
+)
 def test_conf_layouts_resolve(name, world, expect):
     dims = ParallelDims(layout(name), world)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == expect
@@ -65,12 +68,21 @@ def test_tp_3_on_4_ranks():
 
 def test_heads_not_divisible_by_tp():
     dims = ParallelDims(ParallelConfig(name="tp", dp_shard=1, tp=-1), 8)
-    fails(dims.cfg, 8, "model.n_heads=4", "parallel.tp=8",
-          mcfg=ModelConfig(n_heads=4, n_kv_heads=4, dim=128))
+    fails(
+        dims.cfg,
+        8,
+        "model.n_heads=4",
+        "parallel.tp=8",
+        mcfg=ModelConfig(n_heads=4, n_kv_heads=4, dim=128),
+    )
     fails(dims.cfg, 8, "model.n_kv_heads=2", mcfg=ModelConfig(n_heads=8, n_kv_heads=2, dim=128))
     fails(dims.cfg, 8, "model.ffn_dim=12", mcfg=ModelConfig(n_heads=8, n_kv_heads=8, ffn_dim=12))
-    fails(dims.cfg, 8, "pad_vocab_multiple", mcfg=ModelConfig(n_heads=8, n_kv_heads=8,
-                                                              pad_vocab_multiple=4))
+    fails(
+        dims.cfg,
+        8,
+        "pad_vocab_multiple",
+        mcfg=ModelConfig(n_heads=8, n_kv_heads=8, pad_vocab_multiple=4),
+    )
     ParallelDims(ParallelConfig(name="tp", dp_shard=1, tp=2), 2).validate_model(ModelConfig())
 
 
@@ -79,13 +91,18 @@ def test_sequence_parallel_needs_divisible_seq_len():
     with pytest.raises(ConfigError, match=r"data.seq_len=30 .*parallel.tp=4"):
         dims.validate_seq_len(30)
     dims.validate_seq_len(32)
-    ParallelDims(ParallelConfig(name="tp", dp_shard=1, tp=-1, sequence_parallel=False),
-                 4).validate_seq_len(30)
+    ParallelDims(
+        ParallelConfig(name="tp", dp_shard=1, tp=-1, sequence_parallel=False), 4
+    ).validate_seq_len(30)
 
 
 def test_hsdp_needs_replicas():
-    fails(ParallelConfig(name="hsdp", dp_replicate=1, dp_shard=-1), 4, "parallel.dp_replicate=1",
-          "hsdp")
+    fails(
+        ParallelConfig(name="hsdp", dp_replicate=1, dp_shard=-1),
+        4,
+        "parallel.dp_replicate=1",
+        "hsdp",
+    )
     fails(ParallelConfig(name="hsdp_tp", dp_replicate=1, dp_shard=-1, tp=2), 4, "dp_replicate")
 
 
@@ -133,8 +150,9 @@ def _groups(rank, world, all_degrees):
 
 
 def _check_groups(rank, world, dp_replicate, dp_shard, tp):
-    dims = ParallelDims(ParallelConfig(name="fsdp_tp", dp_replicate=dp_replicate,
-                                       dp_shard=dp_shard, tp=tp), world)
+    dims = ParallelDims(
+        ParallelConfig(name="fsdp_tp", dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp), world
+    )
     dims.build_mesh("cpu")
     assert dims.mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
     assert (dims.dp_rank, dims.tp_rank) == (rank // tp, rank % tp)
@@ -149,8 +167,9 @@ def _check_groups(rank, world, dp_replicate, dp_shard, tp):
     assert members(dims.tp_group) == [rank // tp * tp + i for i in range(tp)]
     assert members(dims.dp_group) == [i for i in range(world) if i % tp == rank % tp]
     replica = rank // (dp_shard * tp)
-    assert members(dims.weight_shard_group) == list(range(replica * dp_shard * tp,
-                                                          (replica + 1) * dp_shard * tp))
+    assert members(dims.weight_shard_group) == list(
+        range(replica * dp_shard * tp, (replica + 1) * dp_shard * tp)
+    )
     # Loaders: tp ranks of one data-parallel group read the same samples.
     ids = [None] * world
     dist.all_gather_object(ids, dims.dp_rank)

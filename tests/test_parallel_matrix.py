@@ -43,8 +43,17 @@ GRAD_RTOL = 1e-5
 
 
 def tiny_cfg(tie: bool = False) -> ModelConfig:
-    return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200,
-                       pad_vocab_multiple=64, max_seq_len=SEQ_LEN, tie_embeddings=tie)
+    return ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=96,
+        vocab_size=200,
+        pad_vocab_multiple=64,
+        max_seq_len=SEQ_LEN,
+        tie_embeddings=tie,
+    )
 
 
 def batches(cfg: ModelConfig, steps: int) -> torch.Tensor:
@@ -52,13 +61,21 @@ def batches(cfg: ModelConfig, steps: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (steps, GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
 
 
-def train(model, cfg, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None,
-          on_first_grads=None, opt=None) -> list[float]:
+def train(
+    model,
+    cfg,
+    data,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    on_first_grads=None,
+    opt=None,
+) -> list[float]:
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // dp_size
     losses = []
     for step in range(data.shape[0]):
-        seq = data[step, dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        seq = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
         inputs, labels = seq[:, :-1], seq[:, 1:]
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
@@ -87,8 +104,12 @@ def reference_first_grads(cfg) -> dict[str, torch.Tensor]:
     model = Llama(cfg)
     init_weights(model, cfg, SEED)
     grads = {}
-    train(model, cfg, batches(cfg, 1),
-          on_first_grads=lambda m: grads.update({n: p.grad.clone() for n, p in m.named_parameters()}))
+    train(
+        model,
+        cfg,
+        batches(cfg, 1),
+        on_first_grads=lambda m: grads.update({n: p.grad.clone() for n, p in m.named_parameters()}),
+    )
     return grads
 
 
@@ -112,8 +133,9 @@ def build_parallel(cfg, pcfg, impl, world_size):
     dims.build_mesh("cpu")
     with torch.device("meta"):
         if impl == "te":
-            model = MockTELlama(cfg, tp_group=dims.tp_group,
-                                sequence_parallel=pcfg.sequence_parallel)
+            model = MockTELlama(
+                cfg, tp_group=dims.tp_group, sequence_parallel=pcfg.sequence_parallel
+            )
         else:
             model = Llama(cfg)
     model = parallelize(model, dims, pcfg, impl, mixed_precision=False)
@@ -137,8 +159,15 @@ def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
         grad_err.append(check_first_grads(m, ref_grads))
         check_local_qkv_groups(seen_qkv, cfg, dims.tp_rank, dims.tp)
 
-    losses = train(model, cfg, batches(cfg, STEPS), dims.dp_rank, dims.dp_size, dims.dp_group,
-                   on_first_grads=on_first_grads)
+    losses = train(
+        model,
+        cfg,
+        batches(cfg, STEPS),
+        dims.dp_rank,
+        dims.dp_size,
+        dims.dp_group,
+        on_first_grads=on_first_grads,
+    )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "grad_err": grad_err[0]}, f)
@@ -165,7 +194,11 @@ class _MockLayerNormQKV(torch.nn.Module):
 
     def forward(self, x):
         h = rms_norm(x, self.layer_norm_weight, self.eps)
-        h = tp_comm.gather_from_sp(h, 0, self.group) if self.sp else tp_comm.copy_to_tp(h, self.group)
+        h = (
+            tp_comm.gather_from_sp(h, 0, self.group)
+            if self.sp
+            else tp_comm.copy_to_tp(h, self.group)
+        )
         return F.linear(h, self.weight)
 
 
@@ -202,8 +235,9 @@ class _MockAttention(torch.nn.Module):
         q, k, v = (t.reshape(b, s, -1, self.hd) for t in (q, k, v))
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.proj(out.transpose(0, 1) if self.sp else out)
 
@@ -218,7 +252,11 @@ class _MockLayerNormMLP(torch.nn.Module):
 
     def forward(self, x):
         h = rms_norm(x, self.layer_norm_weight, self.eps)
-        h = tp_comm.gather_from_sp(h, 0, self.group) if self.sp else tp_comm.copy_to_tp(h, self.group)
+        h = (
+            tp_comm.gather_from_sp(h, 0, self.group)
+            if self.sp
+            else tp_comm.copy_to_tp(h, self.group)
+        )
         gate, up = F.linear(h, self.fc1_weight).chunk(2, dim=-1)
         return _row_out(F.linear(F.silu(gate) * up, self.fc2_weight), self.group, self.sp)
 
@@ -245,7 +283,8 @@ class MockTELlama(torch.nn.Module):
         self.embed = torch.nn.Embedding(cfg.padded_vocab_size, cfg.dim)
         self.layers = torch.nn.ModuleList(
             _MockTransformerLayer(cfg, tp, tp_group, self.sequence_parallel)
-            for _ in range(cfg.n_layers))
+            for _ in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.padded_vocab_size)
         self.register_buffer("freqs", rope_freqs(cfg, cfg.max_seq_len), persistent=False)
@@ -301,9 +340,10 @@ def check_local_qkv_groups(seen, cfg, tp_rank: int, tp: int) -> None:
     per_rank = groups // tp
     for name, local in seen.items():
         assert not isinstance(local, DTensor), name
-        full = full_init_value(cfg, name, ((cfg.n_heads + 2 * groups) * cfg.head_dim, cfg.dim),
-                               SEED, "cpu")
-        want = full.view(groups, -1, cfg.dim)[tp_rank * per_rank:(tp_rank + 1) * per_rank]
+        full = full_init_value(
+            cfg, name, ((cfg.n_heads + 2 * groups) * cfg.head_dim, cfg.dim), SEED, "cpu"
+        )
+        want = full.view(groups, -1, cfg.dim)[tp_rank * per_rank : (tp_rank + 1) * per_rank]
         assert torch.equal(local, want.reshape(-1, cfg.dim)), f"{name}: tp rank {tp_rank}"
 
 
@@ -321,8 +361,10 @@ def run_layout(tmp_path, world_size: int, tie: bool = False, impl: str = "torch"
         result = json.load(f)
     got = result["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(got, ref)]
-    print(f"\n{impl} {pcfg_kwargs} tie={tie}: step1 rel {rel[0]:.2e}, max rel over {STEPS} steps "
-          f"{max(rel):.2e}, step-1 grads {result['grad_err']:.2e}, loss {ref[0]:.4f} -> {ref[-1]:.4f}, {time.time() - t0:.1f}s")
+    print(
+        f"\n{impl} {pcfg_kwargs} tie={tie}: step1 rel {rel[0]:.2e}, max rel over {STEPS} steps "
+        f"{max(rel):.2e}, step-1 grads {result['grad_err']:.2e}, loss {ref[0]:.4f} -> {ref[-1]:.4f}, {time.time() - t0:.1f}s"
+    )
     assert rel[0] <= STEP1_RTOL, f"step-1 loss {got[0]} vs 1-process {ref[0]}"
     assert max(rel) <= CURVE_RTOL, f"loss curve differs: {got} vs {ref}"
     # The curve must actually move, or matching it would prove little.
@@ -336,8 +378,10 @@ CASES = {
     "hsdp2x2": (4, {"name": "hsdp", "dp_replicate": 2, "dp_shard": -1}),
     "tp2": (2, {"name": "tp", "dp_shard": 1, "tp": -1}),
     "fsdp2_tp2": (4, {"name": "fsdp_tp", "dp_shard": -1, "tp": 2}),
-    "fsdp2_tp2_ac": (4, {"name": "fsdp_tp", "dp_shard": -1, "tp": 2,
-                         "activation_checkpointing": True}),
+    "fsdp2_tp2_ac": (
+        4,
+        {"name": "fsdp_tp", "dp_shard": -1, "tp": 2, "activation_checkpointing": True},
+    ),
 }
 
 
@@ -368,8 +412,11 @@ def test_hsdp_tp_8_processes(tmp_path):
 TE_CASES = {
     "tp2_sp": (2, {"name": "tp", "dp_shard": 1, "tp": -1, "sequence_parallel": True}, False),
     "tp2_nosp": (2, {"name": "tp", "dp_shard": 1, "tp": -1, "sequence_parallel": False}, False),
-    "fsdp2_tp2_sp_tied": (4, {"name": "fsdp_tp", "dp_shard": -1, "tp": 2,
-                              "sequence_parallel": True}, True),
+    "fsdp2_tp2_sp_tied": (
+        4,
+        {"name": "fsdp_tp", "dp_shard": -1, "tp": 2, "sequence_parallel": True},
+        True,
+    ),
 }
 
 
@@ -387,8 +434,16 @@ def test_te_tp_path_matches_single_process(case, tmp_path):
 
 def _qkv_groups_worker(rank, world_size, impl, sp):
     torch.set_num_threads(1)
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=200,
-                      pad_vocab_multiple=64, max_seq_len=SEQ_LEN)
+    cfg = ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=96,
+        vocab_size=200,
+        pad_vocab_multiple=64,
+        max_seq_len=SEQ_LEN,
+    )
     pcfg = ParallelConfig(name="tp", dp_shard=1, tp=-1, sequence_parallel=sp)
     dims, model = build_parallel(cfg, pcfg, impl, world_size)
     seen = record_forward_qkv(model)
@@ -402,7 +457,10 @@ def _qkv_groups_worker(rank, world_size, impl, sp):
     assert diff < 1e-5, f"tp=2 logits differ from one process by {diff:.2e}"
 
 
-@pytest.mark.parametrize("impl, sp", [("torch", False), ("te", True), ("te", False)],
-                         ids=["reference", "te_sp", "te_nosp"])
+@pytest.mark.parametrize(
+    "impl, sp",
+    [("torch", False), ("te", True), ("te", False)],
+    ids=["reference", "te_sp", "te_nosp"],
+)
 def test_fused_qkv_groups_under_tp2(impl, sp):
     run_distributed(_qkv_groups_worker, 2, impl, sp)

@@ -765,11 +765,18 @@ def test_block_scaled_quantized_weights_on_every_layout():
     from recipes import check_recipe_layout
 
     mcfg = ModelConfig(dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536)  # the GPU matrix model
-    layouts = {"ddp": (1, 1), "fsdp": (4, 1), "hsdp": (2, 1), "tp": (1, 4), "fsdp_tp": (2, 2),
-               "hsdp_tp": (1, 2)}  # (dp_shard, tp) on 4 processes
+    layouts = {
+        "ddp": (1, 1),
+        "fsdp": (4, 1),
+        "hsdp": (2, 1),
+        "tp": (1, 4),
+        "fsdp_tp": (2, 2),
+        "hsdp_tp": (1, 2),
+    }  # (dp_shard, tp) on 4 processes
     for dp_shard, tp in layouts.values():
-        check_recipe_layout(RecipeConfig(name="fp8_block", quantized_init=True), mcfg, 4,
-                            dp_shard, tp)
+        check_recipe_layout(
+            RecipeConfig(name="fp8_block", quantized_init=True), mcfg, 4, dp_shard, tp
+        )
     for name in ("mxfp8", "nvfp4"):
         cfg = RecipeConfig(name=name, quantized_init=True)
         with pytest.raises(ConfigError) as err:
@@ -798,15 +805,29 @@ def test_block_scaled_quantized_weights_on_every_layout():
     from recipes.recipe import fsdp_shard_extents
 
     assert fsdp_shard_extents(mcfg, dp_shard=2, tp=2) == {
-        "qkv": ("rows", 512, 256), "proj": ("rows", 512, 256), "fc1": ("columns", 512, 256),
-        "fc2": ("rows", 512, 256)}
+        "qkv": ("rows", 512, 256),
+        "proj": ("rows", 512, 256),
+        "fc1": ("columns", 512, 256),
+        "fc2": ("rows", 512, 256),
+    }
     assert fsdp_shard_extents(mcfg, dp_shard=4, tp=1)["fc1"] == ("rows", 3072, 768)
 
     # Settings TE's all-gather cannot take, refused before any work.
     with pytest.raises(ConfigError, match="recipe.w_block_scaling_dim=2"):
-        check_recipe_layout(RecipeConfig(name="fp8_block", quantized_init=True,
-                                         w_block_scaling_dim=1, x_block_scaling_dim=1),
-                            mcfg, 2, 2, 1)
+        check_recipe_layout(
+            RecipeConfig(
+                name="fp8_block", quantized_init=True, w_block_scaling_dim=1, x_block_scaling_dim=1
+            ),
+            mcfg,
+            2,
+            2,
+            1,
+        )
     with pytest.raises(ConfigError, match="recipe.disable_2d_quantization=false"):
-        check_recipe_layout(RecipeConfig(name="nvfp4", quantized_init=True,
-                                         disable_2d_quantization=True), mcfg, 2, 1, 1)
+        check_recipe_layout(
+            RecipeConfig(name="nvfp4", quantized_init=True, disable_2d_quantization=True),
+            mcfg,
+            2,
+            1,
+            1,
+        )

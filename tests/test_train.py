@@ -32,8 +32,9 @@ SMALL = ["data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"
 
 
 def test_default_style_run_learns_and_writes_run_dir(tmp_path):
-    r, records = train(tmp_path, "learn", "train.steps=60", "train.log_every=10",
-                       "optim.warmup_steps=10", *SMALL)
+    r, records = train(
+        tmp_path, "learn", "train.steps=60", "train.log_every=10", "optim.warmup_steps=10", *SMALL
+    )
     assert [rec["step"] for rec in records] == [10, 20, 30, 40, 50, 60]
     first, last = records[0]["loss"], records[-1]["loss"]
     assert last < first - 0.5, (first, last)  # bytes start near ln(384)=5.95
@@ -59,8 +60,13 @@ def test_tp_checkpoint_resumes_on_one_process(tmp_path):
     checkpoint in one process: the second half continues the 2-process curve."""
     import shutil
 
-    steps = ["train.steps=8", "train.log_every=1", "checkpoint=sync", "checkpoint.interval=4",
-             *SMALL]
+    steps = [
+        "train.steps=8",
+        "train.log_every=1",
+        "checkpoint=sync",
+        "checkpoint.interval=4",
+        *SMALL,
+    ]
     _, tp_run = train(tmp_path, "tp", *steps, "parallel=tp", nproc=2)
     shutil.copytree(tmp_path / "tp", tmp_path / "one")
     shutil.rmtree(tmp_path / "one" / "checkpoints" / "step_0000008")

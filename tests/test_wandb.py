@@ -24,40 +24,67 @@ from tools.compare_runs import load_run, read_wandb_segments
 ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 1000
-ARGS = ["model=tiny", "model.dim=64", "model.n_layers=1", "model.n_heads=2",
-        "model.n_kv_heads=1", "model.ffn_dim=128", "data.seq_len=32", "data.max_bytes=200000",
-        "train.global_batch_size=4", "train.micro_batch_size=4", f"train.steps={STEPS}",
-        "train.log_every=1", "optim.warmup_steps=10", "train.device=cpu", "checkpoint=sync",
-        "checkpoint.interval=100", "checkpoint.keep_last=1", "logger=wandb",
-        "logger.wandb.mode=offline", "logger.wandb.project=test"]
+ARGS = [
+    "model=tiny",
+    "model.dim=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_dim=128",
+    "data.seq_len=32",
+    "data.max_bytes=200000",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "optim.warmup_steps=10",
+    "train.device=cpu",
+    "checkpoint=sync",
+    "checkpoint.interval=100",
+    "checkpoint.keep_last=1",
+    "logger=wandb",
+    "logger.wandb.mode=offline",
+    "logger.wandb.project=test",
+]
 
 
 def env():
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", WANDB_SILENT="true",
-                WANDB_DISABLE_GIT="true", PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        WANDB_SILENT="true",
+        WANDB_DISABLE_GIT="true",
+        PYTHONUNBUFFERED="1",
+    )
 
 
 def committed_steps(run_dir: Path) -> list[int]:
     ckpts = run_dir / "checkpoints"
     if not ckpts.is_dir():
         return []
-    return sorted(int(p.name.removeprefix("step_")) for p in ckpts.iterdir()
-                  if p.name.startswith("step_") and p.name.removeprefix("step_").isdigit())
+    return sorted(
+        int(p.name.removeprefix("step_"))
+        for p in ckpts.iterdir()
+        if p.name.startswith("step_") and p.name.removeprefix("step_").isdigit()
+    )
 
 
 def logged_steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()
-            if line.endswith("}")]
+    return [
+        json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")
+    ]
 
 
 def test_offline_history_has_each_step_once_across_kill_and_resume(tmp_path):
     run_dir = tmp_path / "w"
     cmd = [sys.executable, "train.py", f"run.root={tmp_path}", "run.name=w", *ARGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 300
     # Kill once a checkpoint at step >= 200 is committed (so wandb has been sent ~200 rows,
     # more than it buffers) and the trainer has logged 3 more steps past it.
@@ -74,8 +101,7 @@ def test_offline_history_has_each_step_once_across_kill_and_resume(tmp_path):
     killed_last = logged_steps(run_dir)[-1]
     assert killed_last > checkpoint  # the killed run logged steps its checkpoint does not cover
 
-    resumed = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True,
-                             timeout=600)
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed_from_step={checkpoint}" in resumed.stdout
 
@@ -86,8 +112,10 @@ def test_offline_history_has_each_step_once_across_kill_and_resume(tmp_path):
     killed_steps = [row["_step"] for row in killed.rows]
     final_steps = [row["_step"] for row in final.rows]
     # The killed run sent wandb only steps its checkpoint covers (wandb kept a prefix).
-    assert killed_steps, ("the killed run sent wandb nothing: held records are released when "
-                          "a record carries save_step (CheckpointManager.stats) or on commit()")
+    assert killed_steps, (
+        "the killed run sent wandb nothing: held records are released when "
+        "a record carries save_step (CheckpointManager.stats) or on commit()"
+    )
     assert killed_steps == list(range(1, len(killed_steps) + 1))
     assert killed_steps[-1] <= checkpoint
     # The resume sent the rest, from the first step wandb lacked: each step exactly once.
@@ -127,8 +155,14 @@ def make_logger(tmp_path, monkeypatch, mode="offline", checkpoint_mode="sync", s
     fake = FakeRun(starting_step)
     monkeypatch.setattr(wandb, "init", lambda **kwargs: fake)
     cfg = LoggerConfig(wandb=WandbConfig(mode=mode))
-    logger = MetricsLogger(cfg, tmp_path, rank=0, run_name="r",
-                           config={"checkpoint": {"mode": checkpoint_mode}}, tags=["a"])
+    logger = MetricsLogger(
+        cfg,
+        tmp_path,
+        rank=0,
+        run_name="r",
+        config={"checkpoint": {"mode": checkpoint_mode}},
+        tags=["a"],
+    )
     return logger, fake
 
 
@@ -159,17 +193,17 @@ def test_without_checkpoints_records_go_at_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("starting_step, expected", [(0, [1, 2, 3, 4]), (3, [3, 4])])
-def test_online_resume_sends_what_the_server_lacks(tmp_path, monkeypatch, starting_step,
-                                                   expected):
+def test_online_resume_sends_what_the_server_lacks(tmp_path, monkeypatch, starting_step, expected):
     (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps(record(s)) + "\n" for s in range(1, 7)))
-    logger, fake = make_logger(tmp_path, monkeypatch, mode="online",
-                               starting_step=starting_step)
+        "".join(json.dumps(record(s)) + "\n" for s in range(1, 7))
+    )
+    logger, fake = make_logger(tmp_path, monkeypatch, mode="online", starting_step=starting_step)
     assert logger.start(4, wandb_run_id="abc") == "abc"
     # Steps 5-6 were logged past the checkpoint (step 4): trimmed, and never sent.
     assert fake.sent == expected
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] \
-        == [1, 2, 3, 4]
+    assert [
+        json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [1, 2, 3, 4]
 
 
 def test_fresh_start_gets_a_new_wandb_run(tmp_path, monkeypatch):

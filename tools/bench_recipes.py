@@ -27,13 +27,23 @@ from tools.resume_check import launch  # noqa: E402
 SM90_RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 
 
-def run_one(recipe: str, quantized: bool, steps: int, log_every: int, extra: list[str],
-            root: Path) -> tuple[list[dict], str]:
+def run_one(
+    recipe: str, quantized: bool, steps: int, log_every: int, extra: list[str], root: Path
+) -> tuple[list[dict], str]:
     name = f"{recipe}{'-qinit' if quantized else ''}"
-    args = ["model=small", f"recipe={recipe}", f"recipe.quantized_init={str(quantized).lower()}",
-            f"train.steps={steps}", f"train.log_every={log_every}", "train.global_batch_size=32",
-            "data.seq_len=1024", "checkpoint=none", f"run.root={root}", f"run.name={name}",
-            *extra]
+    args = [
+        "model=small",
+        f"recipe={recipe}",
+        f"recipe.quantized_init={str(quantized).lower()}",
+        f"train.steps={steps}",
+        f"train.log_every={log_every}",
+        "train.global_batch_size=32",
+        "data.seq_len=1024",
+        "checkpoint=none",
+        f"run.root={root}",
+        f"run.name={name}",
+        *extra,
+    ]
     r = launch(1, args)
     if r.returncode != 0:
         return [], (r.stderr.strip().splitlines() or ["failed"])[-1]
@@ -41,7 +51,9 @@ def run_one(recipe: str, quantized: bool, steps: int, log_every: int, extra: lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--recipes", nargs="+", default=SM90_RECIPES)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--at", type=int, nargs="+", default=[50, 100, 200])
@@ -54,35 +66,55 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes:
-            for quantized in ([False] if recipe == "bf16" or args.no_quantized_init else [False, True]):
-                records, error = run_one(recipe, quantized, args.steps, args.log_every,
-                                         args.train_overrides, Path(tmp))
+            for quantized in (
+                [False] if recipe == "bf16" or args.no_quantized_init else [False, True]
+            ):
+                records, error = run_one(
+                    recipe, quantized, args.steps, args.log_every, args.train_overrides, Path(tmp)
+                )
                 by_step = {r["step"]: r for r in records}
                 timed = [r["tokens_per_s_per_device"] for r in records[1:]] or [0.0]
-                rows.append(dict(
-                    recipe=recipe, quantized_init=quantized, error=error,
-                    loss={s: by_step[s]["loss"] for s in args.at if s in by_step},
-                    tokens_per_s_per_gpu=sum(timed) / len(timed),
-                    peak_mem_gb=records[-1]["mem_gb"] if records else None,
-                    param_bytes_per_param=records[-1].get("param_bytes_per_param") if records else None,
-                    mfu=records[-1].get("mfu") if records else None))
+                rows.append(
+                    dict(
+                        recipe=recipe,
+                        quantized_init=quantized,
+                        error=error,
+                        loss={s: by_step[s]["loss"] for s in args.at if s in by_step},
+                        tokens_per_s_per_gpu=sum(timed) / len(timed),
+                        peak_mem_gb=records[-1]["mem_gb"] if records else None,
+                        param_bytes_per_param=records[-1].get("param_bytes_per_param")
+                        if records
+                        else None,
+                        mfu=records[-1].get("mfu") if records else None,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
 
     base = next((r for r in rows if r["recipe"] == "bf16" and not r["error"]), None)
     last = args.at[-1]
-    head = (["recipe", "qinit"] + [f"loss@{s}" for s in args.at]
-            + [f"d(loss@{last}) vs bf16", "tok/s/GPU", "MFU", "peak GiB", "param B/param"])
+    head = (
+        ["recipe", "qinit"]
+        + [f"loss@{s}" for s in args.at]
+        + [f"d(loss@{last}) vs bf16", "tok/s/GPU", "MFU", "peak GiB", "param B/param"]
+    )
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         if r["error"]:
             print(f"| {r['recipe']} | {r['quantized_init']} | failed: {r['error']} |")
             continue
         losses = [f"{r['loss'].get(s, float('nan')):.4f}" for s in args.at]
-        delta = (r["loss"].get(last, float("nan")) - base["loss"].get(last, float("nan"))) if base else float("nan")
+        delta = (
+            (r["loss"].get(last, float("nan")) - base["loss"].get(last, float("nan")))
+            if base
+            else float("nan")
+        )
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         pbp = f"{r['param_bytes_per_param']:.2f}" if r["param_bytes_per_param"] else "-"
-        print(f"| {r['recipe']} | {r['quantized_init']} | " + " | ".join(losses)
-              + f" | {delta:+.4f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.2f} | {pbp} |")
+        print(
+            f"| {r['recipe']} | {r['quantized_init']} | "
+            + " | ".join(losses)
+            + f" | {delta:+.4f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.2f} | {pbp} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

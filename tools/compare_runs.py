@@ -75,8 +75,9 @@ def load_run(path: str | Path) -> Run:
         raise CompareError(f"{path}: no metrics.jsonl and no wandb run data (*.wandb) in it")
     if WANDB_RUN_PATH.match(str(path)):
         return read_wandb_online(str(path))
-    raise CompareError(f"{path}: not a run directory, metrics.jsonl, wandb offline run or "
-                       "entity/project/run_id")
+    raise CompareError(
+        f"{path}: not a run directory, metrics.jsonl, wandb offline run or entity/project/run_id"
+    )
 
 
 def read_metrics_jsonl(path: Path) -> Run:
@@ -84,8 +85,11 @@ def read_metrics_jsonl(path: Path) -> Run:
     and a line cut short by a killed run is skipped (logger.read_metrics)."""
     from logger import read_metrics
 
-    return {int(r["step"]): {k: v for k, v in r.items() if k != "step"}
-            for r in read_metrics(path) if isinstance(r, dict) and "step" in r}
+    return {
+        int(r["step"]): {k: v for k, v in r.items() if k != "step"}
+        for r in read_metrics(path)
+        if isinstance(r, dict) and "step" in r
+    }
 
 
 def read_wandb_online(run_path: str) -> Run:
@@ -95,8 +99,10 @@ def read_wandb_online(run_path: str) -> Run:
         api_run = wandb.Api().run(run_path)
         rows = list(api_run.scan_history())  # unsampled, unlike api_run.history()
     except Exception as e:  # network, login or a wrong path: one line, no traceback
-        raise CompareError(f"{run_path}: could not read the wandb run ({type(e).__name__}: "
-                           f"{e}); check the path and `wandb login`") from None
+        raise CompareError(
+            f"{run_path}: could not read the wandb run ({type(e).__name__}: "
+            f"{e}); check the path and `wandb login`"
+        ) from None
     return {int(row["_step"]): _public(row) for row in rows if row.get("_step") is not None}
 
 
@@ -134,7 +140,7 @@ def _wandb_payloads(data: bytes, name: str):
             pos += _BLOCK - pos % _BLOCK  # block trailer too short for a header: padding
             continue
         crc, length, kind = _RECORD_HEADER.unpack_from(data, pos)
-        payload = data[pos + _RECORD_HEADER.size: pos + _RECORD_HEADER.size + length]
+        payload = data[pos + _RECORD_HEADER.size : pos + _RECORD_HEADER.size + length]
         if kind == 0 or len(payload) < length:
             return  # zero fill or a record cut by a killed writer: the log ends here
         if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
@@ -162,8 +168,9 @@ def read_wandb_file(path: Path) -> WandbSegment:
         if kind == "run":
             segment.run_id = record.run.run_id or segment.run_id
             segment.tags = list(record.run.tags)
-            segment.start_time = record.run.start_time.ToSeconds() + \
-                record.run.start_time.nanos * 1e-9
+            segment.start_time = (
+                record.run.start_time.ToSeconds() + record.run.start_time.nanos * 1e-9
+            )
         elif kind == "history":
             row = {}
             for item in record.history.item:
@@ -179,15 +186,19 @@ def read_wandb_segments(path: Path, run_id: str | None = None) -> list[WandbSegm
     run directory holding wandb/), oldest first: those of `run_id` if given, else those of
     the one run id found there (several is an error)."""
     name = f"run-{run_id}.wandb" if run_id else "*.wandb"
-    files = sorted(path.glob(name)) or sorted(path.glob(f"*/{name}")) or \
-        sorted(path.glob(f"wandb/*/{name}"))
+    files = (
+        sorted(path.glob(name))
+        or sorted(path.glob(f"*/{name}"))
+        or sorted(path.glob(f"wandb/*/{name}"))
+    )
     # wandb/latest-run is a symlink to one of the segments: read each file once.
     files = sorted({f.resolve() for f in files})
     segments = [read_wandb_file(f) for f in files]
     ids = sorted({s.run_id for s in segments})
     if len(ids) > 1:
-        raise CompareError(f"{path}: holds wandb runs {', '.join(ids)}; pass one "
-                           "offline-run-* directory")
+        raise CompareError(
+            f"{path}: holds wandb runs {', '.join(ids)}; pass one offline-run-* directory"
+        )
     # Directory names carry the start time to the second; the run record is finer.
     return sorted(segments, key=lambda s: (s.start_time, s.path.parent.name))
 
@@ -242,19 +253,23 @@ class Report:
         return all(d.within(self.same_steps) for d in self.diffs)
 
     def format(self) -> str:
-        tol = ("bitwise" if self.rtol == 0 and self.atol == 0
-               else f"rtol={self.rtol:g} atol={self.atol:g}")
+        tol = (
+            "bitwise"
+            if self.rtol == 0 and self.atol == 0
+            else f"rtol={self.rtol:g} atol={self.atol:g}"
+        )
         lines = []
         for d in self.diffs:
             head = f"{d.metric}: {d.other} vs {d.reference}"
             if d.common_steps == 0:
                 lines.append(f"{head}: no common steps")
             else:
-                first = ("none" if d.first_diff_step is None
-                         else f"step {d.first_diff_step}")
-                lines.append(f"{head}: {d.common_steps} common steps, max abs diff "
-                             f"{d.max_abs:.3e} (step {d.max_abs_step}), max rel diff "
-                             f"{d.max_rel:.3e}, first step beyond {tol}: {first}")
+                first = "none" if d.first_diff_step is None else f"step {d.first_diff_step}"
+                lines.append(
+                    f"{head}: {d.common_steps} common steps, max abs diff "
+                    f"{d.max_abs:.3e} (step {d.max_abs_step}), max rel diff "
+                    f"{d.max_rel:.3e}, first step beyond {tol}: {first}"
+                )
             for label, steps in ((d.reference, d.only_reference), (d.other, d.only_other)):
                 if steps:
                     lines.append(f"  only in {label}: {len(steps)} steps ({_span(steps)})")
@@ -277,8 +292,13 @@ def _steps_with(run: Run, metric: str) -> set[int]:
     return {s for s, rec in run.items() if _value(rec, metric) is not None}
 
 
-def compare(runs: Mapping[str, Run] | Sequence[Run], metrics: Sequence[str] = ("loss",),
-            rtol: float = 0.0, atol: float = 0.0, same_steps: bool = False) -> Report:
+def compare(
+    runs: Mapping[str, Run] | Sequence[Run],
+    metrics: Sequence[str] = ("loss",),
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    same_steps: bool = False,
+) -> Report:
     """Compare every run with the first one. `runs`: {label: {step: record}} or a list."""
     if not isinstance(runs, Mapping):
         runs = {f"run{i}": r for i, r in enumerate(runs)}
@@ -289,8 +309,10 @@ def compare(runs: Mapping[str, Run] | Sequence[Run], metrics: Sequence[str] = ("
     diffs = []
     for metric in metrics:
         if not any(_steps_with(r, metric) for r in runs.values()):
-            raise CompareError(f"metric {metric!r} is in none of the runs; pick --metrics "
-                               f"from: {', '.join(sorted(_metric_names(runs)))}")
+            raise CompareError(
+                f"metric {metric!r} is in none of the runs; pick --metrics "
+                f"from: {', '.join(sorted(_metric_names(runs)))}"
+            )
         ref = runs[ref_label]
         ref_steps = _steps_with(ref, metric)
         for label in labels[1:]:
@@ -314,17 +336,27 @@ def compare(runs: Mapping[str, Run] | Sequence[Run], metrics: Sequence[str] = ("
                     first = step
             if common and max_abs_step is None:
                 max_abs_step = common[0]
-            diffs.append(MetricDiff(
-                metric=metric, reference=ref_label, other=label, common_steps=len(common),
-                only_reference=sorted(ref_steps - other_steps),
-                only_other=sorted(other_steps - ref_steps), max_abs=max_abs, max_rel=max_rel,
-                max_abs_step=max_abs_step, first_diff_step=first))
+            diffs.append(
+                MetricDiff(
+                    metric=metric,
+                    reference=ref_label,
+                    other=label,
+                    common_steps=len(common),
+                    only_reference=sorted(ref_steps - other_steps),
+                    only_other=sorted(other_steps - ref_steps),
+                    max_abs=max_abs,
+                    max_rel=max_rel,
+                    max_abs_step=max_abs_step,
+                    first_diff_step=first,
+                )
+            )
     return Report(diffs=diffs, rtol=rtol, atol=atol, same_steps=same_steps)
 
 
 def _metric_names(runs: Mapping[str, Run]) -> set[str]:
-    return {k for r in runs.values() for rec in r.values() for k in rec
-            if _value(rec, k) is not None}
+    return {
+        k for r in runs.values() for rec in r.values() for k in rec if _value(rec, k) is not None
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -339,8 +371,10 @@ def plot(runs: Mapping[str, Run], metrics: Sequence[str], path: str | Path) -> P
         matplotlib.use("Agg")  # files only; no display on clusters
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CompareError("the plot needs matplotlib: pip install matplotlib (it is in the "
-                           "dev extras: pip install -e '.[dev]'), or pass --no-plot") from None
+        raise CompareError(
+            "the plot needs matplotlib: pip install matplotlib (it is in the "
+            "dev extras: pip install -e '.[dev]'), or pass --no-plot"
+        ) from None
     labels = list(runs)
     ref = runs[labels[0]]
     fig, axes = plt.subplots(len(metrics), 2, figsize=(12, 3.6 * len(metrics)), squeeze=False)
@@ -348,14 +382,19 @@ def plot(runs: Mapping[str, Run], metrics: Sequence[str], path: str | Path) -> P
         curves, diffs = axes[row]
         for label in labels:
             steps = sorted(_steps_with(runs[label], metric))
-            curves.plot(steps, [_value(runs[label][s], metric) for s in steps], label=label,
-                        linewidth=1)
+            curves.plot(
+                steps, [_value(runs[label][s], metric) for s in steps], label=label, linewidth=1
+            )
         curves.set(xlabel="step", ylabel=metric, title=metric)
         curves.legend(fontsize="small")
         for label in labels[1:]:
             steps = sorted(_steps_with(ref, metric) & _steps_with(runs[label], metric))
-            diffs.plot(steps, [_value(runs[label][s], metric) - _value(ref[s], metric)
-                               for s in steps], label=f"{label} - {labels[0]}", linewidth=1)
+            diffs.plot(
+                steps,
+                [_value(runs[label][s], metric) - _value(ref[s], metric) for s in steps],
+                label=f"{label} - {labels[0]}",
+                linewidth=1,
+            )
         diffs.axhline(0.0, color="gray", linewidth=0.5)
         diffs.set(xlabel="step", ylabel=f"{metric} difference", title=f"{metric} - reference")
         diffs.legend(fontsize="small")
@@ -384,20 +423,34 @@ def _labels(paths: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Compare runs step by step (the first run is the reference).",
-        epilog="exit status: 0 agree / no check asked, 1 differ beyond tolerance, 2 bad input")
-    parser.add_argument("runs", nargs="+", help="run dir, metrics.jsonl, wandb offline dir or "
-                        "file, or entity/project/run_id")
+        epilog="exit status: 0 agree / no check asked, 1 differ beyond tolerance, 2 bad input",
+    )
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        help="run dir, metrics.jsonl, wandb offline dir or file, or entity/project/run_id",
+    )
     parser.add_argument("--metrics", default="loss", help="comma-separated (default: loss)")
-    parser.add_argument("--assert-equal", action="store_true",
-                        help="fail unless bitwise equal on every common step")
-    parser.add_argument("--rtol", type=float, default=None, help="fail beyond this relative "
-                        "tolerance (|b-a| > atol + rtol*|a|)")
-    parser.add_argument("--atol", type=float, default=None, help="fail beyond this absolute "
-                        "tolerance")
-    parser.add_argument("--same-steps", action="store_true",
-                        help="with a check: also fail when the runs logged different steps")
-    parser.add_argument("--plot", default="compare_runs.png", help="PNG to write "
-                        "(default: compare_runs.png)")
+    parser.add_argument(
+        "--assert-equal", action="store_true", help="fail unless bitwise equal on every common step"
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="fail beyond this relative tolerance (|b-a| > atol + rtol*|a|)",
+    )
+    parser.add_argument(
+        "--atol", type=float, default=None, help="fail beyond this absolute tolerance"
+    )
+    parser.add_argument(
+        "--same-steps",
+        action="store_true",
+        help="with a check: also fail when the runs logged different steps",
+    )
+    parser.add_argument(
+        "--plot", default="compare_runs.png", help="PNG to write (default: compare_runs.png)"
+    )
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     args = parser.parse_args(argv)
 
@@ -420,8 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, run in runs.items():
             if not run:
                 raise CompareError(f"{label}: the run has no logged steps")
-        report = compare(runs, metrics, rtol=args.rtol or 0.0, atol=args.atol or 0.0,
-                         same_steps=args.same_steps)
+        report = compare(
+            runs, metrics, rtol=args.rtol or 0.0, atol=args.atol or 0.0, same_steps=args.same_steps
+        )
         print(report.format())
         if not args.no_plot:
             print(f"plot: {plot(runs, metrics, args.plot)}")

@@ -63,8 +63,17 @@ def model_cfg() -> ModelConfig:
     # Every tp-local weight dim and every FSDP shard of one stays a multiple of 128 up to
     # tp=4 or dp_shard=4, so 128x128 FP8 blocks of shards and slices are blocks of the full
     # weight (recipes.check_recipe_layout).
-    return ModelConfig(name="check", dim=512, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=1024,
-                       vocab_size=1000, pad_vocab_multiple=128, max_seq_len=256)
+    return ModelConfig(
+        name="check",
+        dim=512,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=1024,
+        vocab_size=1000,
+        pad_vocab_multiple=128,
+        max_seq_len=256,
+    )
 
 
 def batches(cfg: ModelConfig, steps: int, global_batch: int, seq: int) -> torch.Tensor:
@@ -78,8 +87,9 @@ def batches(cfg: ModelConfig, steps: int, global_batch: int, seq: int) -> torch.
 
 def build(cfg, recipe, dims, device):
     """The model exactly as train.py builds it; dims None: the one-GPU reference (no mesh)."""
-    return build_parallel_model(cfg, "te", recipe, dims or ParallelDims(ParallelConfig(), 1),
-                                device, SEED)
+    return build_parallel_model(
+        cfg, "te", recipe, dims or ParallelDims(ParallelConfig(), 1), device, SEED
+    )
 
 
 def name_of(spec: str) -> str:
@@ -94,17 +104,18 @@ def recipe_config(spec: str) -> RecipeConfig:
 def train_curve(cfg, spec, dims, device, data, lr) -> list[float]:
     recipe = build_recipe(recipe_config(spec), cfg.n_layers)
     model, group = build(cfg, recipe, dims, device)
-    opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.1), "te",
-                          recipe.fused_adam_kwargs())
+    opt = build_optimizer(
+        model, OptimConfig(lr=lr, weight_decay=0.1), "te", recipe.fused_adam_kwargs()
+    )
     recipe.seed_master_weights(model, opt)
     dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
     per_rank = data.shape[1] // dp_size
     losses = []
     for step in range(data.shape[0]):
-        seq = data[step, dp_rank * per_rank:(dp_rank + 1) * per_rank].to(device)
+        seq = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16), recipe.autocast():
             logits = model(seq[:, :-1])
-        logits = logits[..., :cfg.vocab_size].float()
+        logits = logits[..., : cfg.vocab_size].float()
         loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
         loss.backward()
         clip_grad_norm(model.parameters(), 1.0)
@@ -155,8 +166,10 @@ def _compare_weight(cfg, module, mod_name, pname, device) -> dict:
     row = {"fp8": got is not None}
     if got is not None:
         if got.shape != want.shape:
-            raise RuntimeError(f"unsharded local FP8 weight has shape {tuple(got.shape)}, the "
-                               f"full weight's slice {tuple(want.shape)}")
+            raise RuntimeError(
+                f"unsharded local FP8 weight has shape {tuple(got.shape)}, the "
+                f"full weight's slice {tuple(want.shape)}"
+            )
         row["max_abs_diff"] = (got - want).abs().max().item()
         row["equal"] = bool(torch.equal(got, want))
         here = torch.arange(got.shape[0], device=device), torch.arange(got.shape[1], device=device)
@@ -178,9 +191,12 @@ def fp8_allgather_check(cfg, dims, device, recipe_name) -> list[dict]:
     block = model.layers[0]
     block.unshard()
     rows = []
-    for mod_name, pname in (("self_attention.layernorm_qkv", "weight"),
-                            ("self_attention.proj", "weight"),
-                            ("layernorm_mlp", "fc1_weight"), ("layernorm_mlp", "fc2_weight")):
+    for mod_name, pname in (
+        ("self_attention.layernorm_qkv", "weight"),
+        ("self_attention.proj", "weight"),
+        ("layernorm_mlp", "fc1_weight"),
+        ("layernorm_mlp", "fc2_weight"),
+    ):
         row = {"weight": f"layers.0.{mod_name}.{pname}"}
         try:
             row.update(_compare_weight(cfg, block.get_submodule(mod_name), mod_name, pname, device))
@@ -196,10 +212,14 @@ def fp8_allgather_check(cfg, dims, device, recipe_name) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="conf/parallel options")
-    ap.add_argument("--recipes", default="bf16,fp8_cs,fp8_block+q",
-                    help="curves to compare; +q: quantized_init")
-    ap.add_argument("--gather-recipes", default="fp8_cs,fp8_block",
-                    help="recipes of the all-gather check ('' for none)")
+    ap.add_argument(
+        "--recipes", default="bf16,fp8_cs,fp8_block+q", help="curves to compare; +q: quantized_init"
+    )
+    ap.add_argument(
+        "--gather-recipes",
+        default="fp8_cs,fp8_block",
+        help="recipes of the all-gather check ('' for none)",
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -220,11 +240,18 @@ def main() -> int:
     recipes = args.recipes.split(",")
 
     refs = {r: train_curve(cfg, r, None, device, data, args.lr) for r in recipes}
-    results = {"world_size": world, "gpu": torch.cuda.get_device_name(device), "curves": [],
-               "fp8_allgather": [], "reference": refs}
+    results = {
+        "world_size": world,
+        "gpu": torch.cuda.get_device_name(device),
+        "curves": [],
+        "fp8_allgather": [],
+        "reference": refs,
+    }
     for name in args.layouts.split(","):
-        pcfg = dataclasses.replace(compose_config([f"parallel={name}"]).parallel,
-                                   sequence_parallel=not args.no_sequence_parallel)
+        pcfg = dataclasses.replace(
+            compose_config([f"parallel={name}"]).parallel,
+            sequence_parallel=not args.no_sequence_parallel,
+        )
         try:
             dims = ParallelDims(pcfg, world)
             dims.validate_model(cfg)
@@ -239,9 +266,13 @@ def main() -> int:
             try:
                 got = train_curve(cfg, r, dims, device, data, args.lr)
                 rel = [abs(a - b) / abs(b) for a, b in zip(got, refs[r])]
-                row.update(losses=got, step1_rel=rel[0], max_rel=max(rel),
-                           max_abs=max(abs(a - b) for a, b in zip(got, refs[r])),
-                           ok=rel[0] <= STEP1_RTOL[name_of(r)] and max(rel) <= CURVE_RTOL[name_of(r)])
+                row.update(
+                    losses=got,
+                    step1_rel=rel[0],
+                    max_rel=max(rel),
+                    max_abs=max(abs(a - b) for a, b in zip(got, refs[r])),
+                    ok=rel[0] <= STEP1_RTOL[name_of(r)] and max(rel) <= CURVE_RTOL[name_of(r)],
+                )
             except Exception:
                 row.update(ok=False, error=traceback.format_exc(limit=3).strip().splitlines()[-1])
                 if rank == 0:
@@ -254,20 +285,28 @@ def main() -> int:
                 for row in fp8_allgather_check(cfg, dims, device, r):
                     results["fp8_allgather"].append({**where, **row})
             except Exception:
-                results["fp8_allgather"].append({**where, "ok": False,
-                                                 "error": traceback.format_exc(limit=3)
-                                                 .strip().splitlines()[-1]})
+                results["fp8_allgather"].append(
+                    {
+                        **where,
+                        "ok": False,
+                        "error": traceback.format_exc(limit=3).strip().splitlines()[-1],
+                    }
+                )
                 if rank == 0:
                     traceback.print_exc()
         dist.barrier()
 
     ok = all(r.get("ok", True) for r in results["curves"] + results["fp8_allgather"])
     if rank == 0:
-        print(f"\n{world} x {results['gpu']}, {args.steps} steps, global batch "
-              f"{args.global_batch} x {args.seq_len}, tolerances step-1 {STEP1_RTOL}, "
-              f"curve {CURVE_RTOL} (relative)")
-        print(f"{'layout':9} {'rxsxt':7} {'recipe':11} {'ref loss 1->N':>17} {'loss 1->N':>17} "
-              f"{'step1 rel':>9} {'max rel':>9} {'max abs':>9}  status")
+        print(
+            f"\n{world} x {results['gpu']}, {args.steps} steps, global batch "
+            f"{args.global_batch} x {args.seq_len}, tolerances step-1 {STEP1_RTOL}, "
+            f"curve {CURVE_RTOL} (relative)"
+        )
+        print(
+            f"{'layout':9} {'rxsxt':7} {'recipe':11} {'ref loss 1->N':>17} {'loss 1->N':>17} "
+            f"{'step1 rel':>9} {'max rel':>9} {'max abs':>9}  status"
+        )
         for r in results["curves"]:
             if "skipped" in r:
                 print(f"{r['layout']:9} skipped: {r['skipped']}")
@@ -276,23 +315,31 @@ def main() -> int:
             if "error" in r:
                 print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} ERROR {r['error']}")
                 continue
-            print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} "
-                  f"{ref[0]:8.4f}->{ref[-1]:7.4f} {r['losses'][0]:8.4f}->{r['losses'][-1]:7.4f} "
-                  f"{r['step1_rel']:9.2e} {r['max_rel']:9.2e} {r['max_abs']:9.2e}  "
-                  f"{'ok' if r['ok'] else 'FAIL'}")
+            print(
+                f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} "
+                f"{ref[0]:8.4f}->{ref[-1]:7.4f} {r['losses'][0]:8.4f}->{r['losses'][-1]:7.4f} "
+                f"{r['step1_rel']:9.2e} {r['max_rel']:9.2e} {r['max_abs']:9.2e}  "
+                f"{'ok' if r['ok'] else 'FAIL'}"
+            )
         if results["fp8_allgather"]:
-            print("\nFSDP2 all-gather of FP8 shards (quantized_init) vs FP8 cast of the full weight "
-                  "on one GPU")
+            print(
+                "\nFSDP2 all-gather of FP8 shards (quantized_init) vs FP8 cast of the full weight "
+                "on one GPU"
+            )
             for r in results["fp8_allgather"]:
                 if "error" in r:
-                    print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:9} "
-                          f"{r.get('weight', ''):44} ERROR {r['error']}")
+                    print(
+                        f"{r['layout']:9} {r['degrees']:7} {r['recipe']:9} "
+                        f"{r.get('weight', ''):44} ERROR {r['error']}"
+                    )
                     continue
-                print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:9} {r['weight']:44} "
-                      f"fp8={r['fp8']} "
-                      f"equal={r.get('equal')} scale_equal={r.get('scale_equal')} "
-                      f"max|diff|={r.get('max_abs_diff', float('nan')):.2e}  "
-                      f"{'ok' if r['ok'] else 'FAIL'}")
+                print(
+                    f"{r['layout']:9} {r['degrees']:7} {r['recipe']:9} {r['weight']:44} "
+                    f"fp8={r['fp8']} "
+                    f"equal={r.get('equal')} scale_equal={r.get('scale_equal')} "
+                    f"max|diff|={r.get('max_abs_diff', float('nan')):.2e}  "
+                    f"{'ok' if r['ok'] else 'FAIL'}"
+                )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         print("\nALL OK" if ok else "\nSOME CHECKS FAILED")

@@ -35,8 +35,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = (("bf16", False), ("fp8_delayed", False), ("fp8_delayed", True), ("fp8_cs", False),
-            ("fp8_cs", True), ("fp8_block", False), ("fp8_block", True))
+VARIANTS = (
+    ("bf16", False),
+    ("fp8_delayed", False),
+    ("fp8_delayed", True),
+    ("fp8_cs", False),
+    ("fp8_cs", True),
+    ("fp8_block", False),
+    ("fp8_block", True),
+)
 
 
 def run_in_process(overrides: list[str]) -> tuple[int, float]:
@@ -58,7 +65,11 @@ def cases(args) -> list[tuple[str, bool, str]]:
     variants = [v for v in VARIANTS if v[0] in args.recipes]
     out = []
     for i, (recipe, qinit) in enumerate(variants):
-        modes = args.modes if args.all_modes else [args.modes[(i + args.layout_index) % len(args.modes)]]
+        modes = (
+            args.modes
+            if args.all_modes
+            else [args.modes[(i + args.layout_index) % len(args.modes)]]
+        )
         out += [(recipe, qinit, m) for m in modes]
     return out
 
@@ -69,10 +80,16 @@ def run_case(tmp: Path, recipe: str, qinit: bool, mode: str, args, rank: int) ->
     from tools.resume_check import case_overrides, keep_only_checkpoint, second_half
 
     half = args.steps // 2
-    name, common = case_overrides(recipe, qinit, mode, args.steps, tmp,
-                                  [f"parallel={args.layout}", *args.overrides])
-    row = dict(layout=args.layout, recipe=recipe, quantized_init=qinit, mode=mode,
-               case=f"{args.layout}/{name}")
+    name, common = case_overrides(
+        recipe, qinit, mode, args.steps, tmp, [f"parallel={args.layout}", *args.overrides]
+    )
+    row = dict(
+        layout=args.layout,
+        recipe=recipe,
+        quantized_init=qinit,
+        mode=mode,
+        case=f"{args.layout}/{name}",
+    )
     run_a, run_b = tmp / f"{name}-A", tmp / f"{name}-B"
     status, row["seconds_a"] = run_in_process(common + [f"run.name={name}-A"])
     if status != 0:
@@ -116,8 +133,13 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.table:
-        rows = [json.loads(line) for f in args.table if Path(f).is_file()
-                for line in Path(f).read_text().splitlines() if line.strip()]
+        rows = [
+            json.loads(line)
+            for f in args.table
+            if Path(f).is_file()
+            for line in Path(f).read_text().splitlines()
+            if line.strip()
+        ]
         print(format_rows(rows))
         return 0 if rows and all(passed(r) for r in rows) else 1
 
@@ -143,13 +165,23 @@ def main() -> int:
             try:
                 row = run_case(tmp, recipe, qinit, mode, args, rank)
             except ConfigError as e:  # a combination the config check refuses, by design
-                row = dict(layout=args.layout, recipe=recipe, quantized_init=qinit, mode=mode,
-                           refused=str(e))
+                row = dict(
+                    layout=args.layout,
+                    recipe=recipe,
+                    quantized_init=qinit,
+                    mode=mode,
+                    refused=str(e),
+                )
             except Exception as e:  # raised on every rank alike (TE, torch): next case
                 if rank == 0:
                     traceback.print_exc()
-                row = dict(layout=args.layout, recipe=recipe, quantized_init=qinit, mode=mode,
-                           error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                row = dict(
+                    layout=args.layout,
+                    recipe=recipe,
+                    quantized_init=qinit,
+                    mode=mode,
+                    error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                )
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)

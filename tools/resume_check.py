@@ -34,15 +34,18 @@ def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd + ["train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    return subprocess.run(
+        cmd + ["train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
 
 
 def replace_overrides(base: list[str], new: list[str]) -> list[str]:
     """`base` with `new` applied: an override in `new` replaces every base override of the
     same key or below it (`parallel=tp` drops `parallel=fsdp` and `parallel.dp_shard=2`)."""
     keys = [o.split("=", 1)[0] for o in new]
-    kept = [o for o in base
-            if not any(o.split("=", 1)[0] == k or o.startswith(k + ".") for k in keys)]
+    kept = [
+        o for o in base if not any(o.split("=", 1)[0] == k or o.startswith(k + ".") for k in keys)
+    ]
     return kept + list(new)
 
 
@@ -62,18 +65,27 @@ def second_half(run_a: Path, run_b: Path, half: int) -> dict:
     second = {k: {s: r for s, r in v.items() if s > half} for k, v in runs.items()}
     report = compare(second, metrics=("loss",), rtol=0, atol=0)
     d = report.diffs[0]
-    return dict(steps=d.common_steps, max_abs=d.max_abs, bitwise=report.ok,
-                first_diff=d.first_diff_step)
+    return dict(
+        steps=d.common_steps, max_abs=d.max_abs, bitwise=report.ok, first_diff=d.first_diff_step
+    )
 
 
-def case_overrides(recipe: str, qinit: bool, mode: str, steps: int, root: Path,
-                   extra: list[str]) -> tuple[str, list[str]]:
+def case_overrides(
+    recipe: str, qinit: bool, mode: str, steps: int, root: Path, extra: list[str]
+) -> tuple[str, list[str]]:
     """Name and train.py overrides of one resume case: save every steps/2, log every step."""
     name = f"{recipe}{'-q' if qinit else ''}-{mode}"
-    return name, [f"recipe={recipe}", f"recipe.quantized_init={str(qinit).lower()}",
-                  f"checkpoint={mode}", f"checkpoint.interval={steps // 2}",
-                  "checkpoint.keep_last=4", f"train.steps={steps}", "train.log_every=1",
-                  f"run.root={root}", *extra]
+    return name, [
+        f"recipe={recipe}",
+        f"recipe.quantized_init={str(qinit).lower()}",
+        f"checkpoint={mode}",
+        f"checkpoint.interval={steps // 2}",
+        "checkpoint.keep_last=4",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        f"run.root={root}",
+        *extra,
+    ]
 
 
 def format_table(rows: list[dict], keys: tuple[str, ...] = ("case",), timing: bool = False) -> str:
@@ -104,8 +116,10 @@ def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespa
         return dict(case=name, error=(ra.stderr.strip().splitlines() or ["A failed"])[-1])
     run_a, run_b = tmp / f"{name}-A", tmp / f"{name}-B"
     keep_only_checkpoint(run_a, run_b, half)
-    rb = launch(a.resume_nproc or a.nproc,
-                replace_overrides(common, a.resume_overrides) + [f"run.name={name}-B"])
+    rb = launch(
+        a.resume_nproc or a.nproc,
+        replace_overrides(common, a.resume_overrides) + [f"run.name={name}-B"],
+    )
     if rb.returncode != 0:
         return dict(case=name, error=(rb.stderr.strip().splitlines() or ["B failed"])[-1])
     resumed = f"resumed_from_step={half}" in rb.stdout
@@ -113,7 +127,9 @@ def one_case(tmp: Path, recipe: str, qinit: bool, mode: str, a: argparse.Namespa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--recipes", nargs="+", default=["bf16"])
     ap.add_argument("--quantized-init", choices=["false", "true", "both"], default="false")
@@ -127,7 +143,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in a.recipes:
-            for q in ([False] if recipe == "bf16" else qinits):
+            for q in [False] if recipe == "bf16" else qinits:
                 for mode in a.modes:
                     rows.append(one_case(Path(tmp), recipe, q, mode, a))
                     print(rows[-1], flush=True)

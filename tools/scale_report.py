@@ -23,8 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.compare_runs import compare, load_run  # noqa: E402
 
-PAIRS = (("parity", "1gpu", "hsdp", 0), ("parity", "1gpu", "fsdp_tp", 0),
-         ("resume", "hsdp", "hsdp-to-fsdp_tp", None), ("resume", "hsdp", "hsdp-to-fsdp2", None))
+PAIRS = (
+    ("parity", "1gpu", "hsdp", 0),
+    ("parity", "1gpu", "fsdp_tp", 0),
+    ("resume", "hsdp", "hsdp-to-fsdp_tp", None),
+    ("resume", "hsdp", "hsdp-to-fsdp2", None),
+)
 
 
 def losses(run: dict, kind: str, resume_step: int) -> str:
@@ -43,25 +47,31 @@ def main() -> int:
     a = ap.parse_args()
     root = Path(a.root)
     recipes = sorted({p.name.rsplit("-1gpu", 1)[0] for p in root.glob("*-1gpu")})
-    print("| recipe | kind | reference | run | steps | ref loss first/resume/last | "
-          "loss first/resume/last | max abs diff | max rel diff |")
+    print(
+        "| recipe | kind | reference | run | steps | ref loss first/resume/last | "
+        "loss first/resume/last | max abs diff | max rel diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ok = bool(recipes)
     for r in recipes:
         for kind, ref, run, after in PAIRS:
             after = a.resume_step if after is None else after
             try:
-                runs = {k: {s: v for s, v in load_run(root / f"{r}-{k}").items() if s > after}
-                        for k in (ref, run)}
+                runs = {
+                    k: {s: v for s, v in load_run(root / f"{r}-{k}").items() if s > after}
+                    for k in (ref, run)
+                }
             except Exception as e:  # a run that failed leaves no metrics
                 print(f"| {r} | {kind} | {ref} | {run} | missing: {e} | | | | |")
                 ok = False
                 continue
             d = compare(runs, metrics=("loss",)).diffs[0]
 
-            print(f"| {r} | {kind} | {ref} | {run} | {d.common_steps} | {losses(runs[ref], kind, a.resume_step)} "
-                  f"| {losses(runs[run], kind, a.resume_step)} "
-                  f"| {d.max_abs:.3g} | {d.max_rel:.3g} |")
+            print(
+                f"| {r} | {kind} | {ref} | {run} | {d.common_steps} | {losses(runs[ref], kind, a.resume_step)} "
+                f"| {losses(runs[run], kind, a.resume_step)} "
+                f"| {d.max_abs:.3g} | {d.max_rel:.3g} |"
+            )
     return 0 if ok else 1
 
 

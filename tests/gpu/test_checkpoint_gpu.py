@@ -377,8 +377,12 @@ def _reshard_worker(rank, world_size, tmp, phase):
     torch.cuda.set_device(rank)
     # A file store, not a TCP port: a port picked free can be taken before the store binds it
     # (seen once: EADDRINUSE while other jobs shared the host).
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{tmp}/store-{phase}",
-                            rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        init_method=f"file://{tmp}/store-{phase}",
+        rank=rank,
+        world_size=world_size,
+    )
     try:
         from torch.distributed.device_mesh import init_device_mesh
 

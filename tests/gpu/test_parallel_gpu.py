@@ -31,11 +31,23 @@ pytestmark = [
 
 
 def _run(nproc: int, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(ROOT / "tools" / "gpu_parallel_check.py"),
-           "--json", str(out), *extra]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "tools" / "gpu_parallel_check.py"),
+        "--json",
+        str(out),
+        *extra,
+    ]
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-8000:])
     assert out.exists(), f"check script wrote no results:\n{proc.stderr[-4000:]}"
@@ -53,12 +65,24 @@ def test_layouts_match_single_gpu(tmp_path):
     expected = {"fsdp", "hsdp", "tp", "fsdp_tp"} | ({"hsdp_tp"} if nproc >= 4 else set())
     assert expected <= ran, f"layouts not run: {expected - ran}"
     assert {r["recipe"] for r in result["curves"] if "recipe" in r} == {
-        "bf16", "fp8_cs", "fp8_block+q"}
+        "bf16",
+        "fp8_cs",
+        "fp8_block+q",
+    }
     gathered = {(r["layout"], r["recipe"]) for r in result["fp8_allgather"]}
     assert {(layout, r) for layout in expected for r in ("fp8_cs", "fp8_block")} <= gathered
 
 
 def test_layouts_without_sequence_parallel(tmp_path):
     nproc = min(4, torch.cuda.device_count())
-    _run(nproc, tmp_path / "nosp.json", "--layouts", "tp,fsdp_tp", "--recipes", "bf16",
-         "--no-sequence-parallel", "--gather-recipes", "")
+    _run(
+        nproc,
+        tmp_path / "nosp.json",
+        "--layouts",
+        "tp,fsdp_tp",
+        "--recipes",
+        "bf16",
+        "--no-sequence-parallel",
+        "--gather-recipes",
+        "",
+    )

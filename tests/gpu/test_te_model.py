@@ -190,7 +190,9 @@ def test_fused_qkv_parameter():
         names = sorted(n for n, _ in attn.layernorm_qkv.named_parameters())
         assert names == ["layer_norm_weight", "weight"]
         assert attn.layernorm_qkv.weight.shape == (
-            (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
+            (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
+            cfg.dim,
+        )
         assert attn.qkv_weight_interleaved
         assert attn.num_gqa_groups_per_partition == cfg.n_kv_heads
 
@@ -228,8 +230,10 @@ def test_quantized_init_fp8_cs_trains():
         assert type(p).__name__ == recipe.weight_tensor_class == "Float8Tensor", n
         rel = (p.dequantize().float() - seeded[n]).norm() / seeded[n].norm()
         assert rel.item() < 0.08, n
-    assert params[qkv_names[0]].shape == ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
-                                          cfg.dim)
+    assert params[qkv_names[0]].shape == (
+        (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
+        cfg.dim,
+    )
 
     opt_cfg = OptimConfig(lr=1e-3, weight_decay=0.0)
     optimizer = build_optimizer(model, opt_cfg, "te", recipe.fused_adam_kwargs())
