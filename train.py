@@ -6,7 +6,8 @@
         checkpoint=async data=hf data.path=HuggingFaceFW/fineweb-edu data.subset=sample-10BT
 
 Setup runs in a fixed order; each step says why it sits where it does. Re-running the same
-command resumes from the newest complete checkpoint in runs/<run.name>/.
+command resumes from the newest complete checkpoint in runs/<run.name>/. `train_step` is the
+one training step; tests and tools call it too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import hydra
@@ -24,16 +25,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from checkpoint import CheckpointManager, TrainState, te_compat, training_state
-from config import Config, ConfigError, register_configs, validate, validate_batch
+import compat
+from checkpoint import CheckpointManager, TrainState, training_state
+from config import Config, register_configs, validate, validate_batch
 from data import build_loader, build_tokenizer
+from errors import ConfigError
 from logger import MetricsLogger
 from model import build_model, init_weights, resolve_impl, te_available
 from model.flops import flops_per_token, peak_tflops
 from model.memory import parameter_storage
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from parallel import ParallelDims, parallelize
-from recipes import build_recipe, check_recipe, check_recipe_layout
+from recipes import Recipe, build_recipe, check_recipe, check_recipe_layout
 
 register_configs()
 
@@ -69,27 +72,25 @@ def pick_device(name: str) -> torch.device:
 
 
 def build_parallel_model(
-    mcfg, impl: str, recipe, dims: ParallelDims, device: torch.device, seed: int
+    mcfg, impl: str, recipe: Recipe, dims: ParallelDims, device: torch.device, seed: int
 ):
-    """Steps 3-5 of `run`, shared with tools/gpu_parallel_check.py. Returns the model and the
-    amax-reduction group of its per-tensor-scaled weights (None: no reduction).
+    """Steps 3-5 of `run`. Returns the model and the amax-reduction group of its
+    per-tensor-scaled weights (None: no reduction), for `Recipe.attach_optimizer`.
 
-    3. Model on the meta device: no memory until the layout is known. TE fixes that the
-       installed TE lacks are patched in first (each detected by feature, checkpoint/te_compat.py).
+    3. Model on the meta device: no memory until the layout is known. The TE model gets the
+       recipe (it is the one seam for precision).
     4. Parallelize from outside the model: TP first, then FSDP2 (order in parallel/).
     5. Materialize and initialize from the seed: same weights for every impl and layout.
        Quantized parameters are cast from those values afterwards, with per-tensor amax
-       reduced over exactly the ranks that hold pieces of each weight (never dp_replicate),
-       and the weight quantizers get that group before step 1.
+       reduced over exactly the ranks that hold pieces of each weight (never dp_replicate).
     """
     te_kwargs = {}
     if impl == "te":
-        te_compat.apply_all()
         te_kwargs = dict(
+            recipe=recipe,
             tp_group=dims.tp_group,
             tp_size=dims.tp,
             sequence_parallel=dims.sequence_parallel,
-            bf16_layers=tuple(sorted(recipe.bf16_layer_ids)),
         )
     with torch.device("meta"), recipe.quantized_init_context():
         model = build_model(mcfg, impl, **te_kwargs)
@@ -97,10 +98,45 @@ def build_parallel_model(
     model.to_empty(device=device)
     model.reset_buffers()
     init_weights(model, mcfg, seed)
-    weight_amax_group = recipe.weight_amax_group(dims.weight_shard_group, dims.tp_group)
-    recipe.quantize_weights(model, weight_amax_group)
-    recipe.init_weight_quantizers(model, weight_amax_group)
-    return model, weight_amax_group
+    amax_group = recipe.prepare_weights(model, dims.weight_shard_group, dims.tp_group)
+    return model, amax_group
+
+
+def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """Mean cross entropy of the next token over the labels that are not -100. The padding
+    columns of the vocabulary are never targets and take no probability."""
+    logits = model(inputs)[..., : model.cfg.vocab_size].float()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    grad_accum: int = 1,
+    grad_clip: float = 0.0,
+    scheduler=None,
+    autocast: AbstractContextManager | None = None,
+    loss_fn=next_token_loss,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on this rank's rows: forward and backward over `grad_accum` micro
+    batches, clip, step, zero the gradients, advance the schedule. Returns (loss, grad_norm)
+    as 0-d tensors on the device (no host sync): the loss is this rank's mean; the caller
+    averages it over data-parallel ranks when it logs."""
+    step_loss = torch.zeros((), device=inputs.device)
+    for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
+        with autocast if autocast is not None else nullcontext():
+            loss = loss_fn(model, x, y)
+        (loss / grad_accum).backward()
+        step_loss += loss.detach() / grad_accum
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return step_loss, grad_norm
 
 
 class StopSignal:
@@ -124,6 +160,14 @@ class StopSignal:
         return bool(flag.item())
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
 def run(cfg: Config) -> int:
     # Installed first so a stop signal during setup is not fatal; without checkpoints a stop
     # signal keeps its default meaning (terminate).
@@ -142,23 +186,23 @@ def run(cfg: Config) -> int:
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
 
-    # 2. Processes and mesh: the mesh object owns every process group (ARCHITECTURE.md #3).
+    # 2. Processes, mesh, and the fixes torch / TE need (compat/): the mesh object owns every
+    #    process group; the fixes go in before anything builds a module.
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dims.build_mesh(device.type)
+    compat.apply_all()
     torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
 
     # 3-5. Model: meta build, parallelize, materialize, initialize, quantize.
-    model, weight_amax_group = build_parallel_model(
-        cfg.model, impl, recipe, dims, device, cfg.train.seed
-    )
+    model, amax_group = build_parallel_model(cfg.model, impl, recipe, dims, device, cfg.train.seed)
 
     # 6. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
     #    seeded from the exact pre-quantization values).
     optimizer = build_optimizer(model, cfg.optim, impl, recipe.fused_adam_kwargs())
-    recipe.seed_master_weights(model, optimizer)
+    recipe.attach_optimizer(model, optimizer, amax_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
     # 7. Data: each data-parallel rank reads its rows of one global batch order.
@@ -200,7 +244,6 @@ def run(cfg: Config) -> int:
         f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
         f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else "")
     )
-
     if start_step >= cfg.train.steps:
         logger.info(
             f"nothing to do: the checkpoint is at step {start_step} and train.steps="
@@ -209,65 +252,58 @@ def run(cfg: Config) -> int:
         )
 
     # 9. Train.
-    seq_len = cfg.data.seq_len
-    tokens_per_step = cfg.train.global_batch_size * seq_len
-    flops_tok = flops_per_token(cfg.model, seq_len)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = cfg.train.peak_tflops or (
         peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     )
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    )
+    # The compute dtype: bf16 on GPU (TE's quantized GEMMs come from the recipe, inside the
+    # model); fp32 on CPU.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     t_last, step_last = time.perf_counter(), start_step
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
         batch = loader.next_batch().to(device, non_blocking=True)
-        step_loss = torch.zeros((), device=device)
-        for micro in batch.chunk(grad_accum):
-            with autocast, recipe.autocast():
-                logits = model(micro[:, :-1])
-            # Padding columns of the vocabulary are never targets and take no probability.
-            logits = logits[..., : cfg.model.vocab_size].float()
-            loss = F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten())
-            (loss / grad_accum).backward()
-            step_loss += loss.detach() / grad_accum
-        grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip)
-        # FSDP2's all-gather hook resets quantized weights' amax group to its shard group;
-        # FusedAdam re-quantizes the updated masters with the group set here.
-        recipe.set_weight_amax_groups(model, weight_amax_group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        loss, grad_norm = train_step(
+            model,
+            optimizer,
+            batch[:, :-1],
+            batch[:, 1:],
+            grad_accum=grad_accum,
+            grad_clip=cfg.optim.grad_clip,
+            scheduler=scheduler,
+            autocast=autocast,
+        )
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
 
+        stopping = False
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             if dims.dp_group is not None:  # mean over data-parallel ranks (TP ranks agree)
-                dist.all_reduce(step_loss, group=dims.dp_group)
-                step_loss /= dims.dp_size
+                dist.all_reduce(loss, group=dims.dp_group)
+                loss /= dims.dp_size
             # The one host sync per log step (loss and grad norm together); the clock is read
             # after it, so the interval covers the GPU work of its steps.
-            loss_value, norm_value = torch.stack([step_loss.float(), grad_norm.float()]).tolist()
+            loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
             now = time.perf_counter()
             tps = tokens_per_step * (step - step_last) / (now - t_last)
-            record = dict(
-                step=step,
-                loss=loss_value,
-                grad_norm=norm_value,
-                lr=scheduler.get_last_lr()[0],
-                tokens_seen=train_state.tokens_seen,
-                tokens_per_s=tps,
-                tokens_per_s_per_device=tps / world_size,
-                mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
-                mem_gb=peak_memory_gb(device),
-                param_bytes_per_param=param_bytes / param_local_numel,
-                **ckpt.stats(),
+            logger.log(
+                dict(
+                    step=step,
+                    loss=loss_value,
+                    grad_norm=norm_value,
+                    lr=scheduler.get_last_lr()[0],
+                    tokens_seen=train_state.tokens_seen,
+                    tokens_per_s=tps,
+                    tokens_per_s_per_device=tps / world_size,
+                    mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
+                    mem_gb=peak_memory_gb(device),
+                    param_bytes_per_param=param_bytes / param_local_numel,
+                    **ckpt.stats(),
+                )
             )
-            logger.log(record)
             t_last, step_last = time.perf_counter(), step
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
             stopping = stop is not None and stop.agreed(device)
-        else:
-            stopping = False
 
         ckpt.maybe_save(step, state, force=stopping)
         if stopping:
@@ -281,14 +317,6 @@ def run(cfg: Config) -> int:
     ckpt.finish(cfg.train.steps, state)
     logger.finish()
     return 0
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)

@@ -1,5 +1,4 @@
-"""Checkpointing: DCP sync/async saves, complete resume state, commit/prune, resharding, and
-the fixes TE needs for quantized parameters.
+"""Checkpointing: DCP sync/async saves, complete resume state, commit/prune, resharding.
 
     from checkpoint import CheckpointManager, TrainState, training_state
     train_state = TrainState(config_yaml=resolved_yaml)
@@ -9,25 +8,14 @@ the fixes TE needs for quantized parameters.
     ...  ckpt.maybe_save(step, state) ...
     ckpt.finish(step, state)
 
-Files: manager.py (policy: when, how, where, resume), state.py (what is saved), layout.py
-(directories, manifest, commit, prune), te_compat.py (TE fixes, applied only where missing).
+Files: manager.py (policy: when, how, where, resume), state.py (what is saved), store.py
+(directories, manifest, commit, prune), planners.py (DCP planners for DTensors whose local
+shard is several blocks), te_state.py (TE scaling state and optimizer states DCP cannot take
+as TE leaves them).
 """
 
-# Exports resolve lazily: config.py imports checkpoint.config while this package imports
-# config (for ConfigError), and `import config` must not pull in torch.distributed.
-_EXPORTS = {
-    "CheckpointManager": "checkpoint.manager",
-    "TrainState": "checkpoint.state",
-    "training_state": "checkpoint.state",
-    "CheckpointConfig": "checkpoint.config",
-}
+from checkpoint.config import MODES, CheckpointConfig
+from checkpoint.manager import CheckpointManager
+from checkpoint.state import TrainState, training_state
 
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
+__all__ = ["MODES", "CheckpointConfig", "CheckpointManager", "TrainState", "training_state"]

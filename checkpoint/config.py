@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: checkpoint.mode values.
+MODES = ("none", "sync", "async", "async_process")
+
 
 @dataclass
 class CheckpointConfig:

@@ -13,7 +13,7 @@ the loop waits only for a copy of the state into (pinned, when CUDA is present) 
 run on a gloo group of their own, so a background write never interleaves with the training
 loop's collectives.
 
-Commit (checkpoint/layout.py): every save goes to `step_XXXXXXX.tmp/`; rank 0 writes the
+Commit (checkpoint/store.py): every save goes to `step_XXXXXXX.tmp/`; rank 0 writes the
 manifest and renames the directory once the save is complete on every rank. DCP's save ends
 with a gather of every rank's write results to rank 0 before rank 0 writes `.metadata`, so
 rank 0's save returning (sync) or its future completing (async) already means every rank
@@ -54,16 +54,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from checkpoint import layout, te_compat
-from checkpoint.config import CheckpointConfig
+from checkpoint import store
+from checkpoint.config import MODES, CheckpointConfig
+from checkpoint.planners import BlockLoadPlanner, BlockSavePlanner
 from checkpoint.state import ModelState, TrainState
-from config import ConfigError
-from parallel.dcp import BlockLoadPlanner, BlockSavePlanner
+from errors import ConfigError
 
 # Single-process runs save and load without a process group on purpose.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
 
-MODES = ("none", "sync", "async", "async_process")
 #: Model fields that change parameter shapes: a checkpoint only loads when they agree.
 SHAPE_FIELDS = (
     "dim",
@@ -202,10 +201,6 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self._completed: list[dict[str, float]] = []
         self._closed = False
-        if te_compat.te_importable():
-            patched = te_compat.apply_all()
-            if any(patched.values()):
-                self._log(f"TE compatibility fixes applied: {patched}")
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -235,7 +230,7 @@ class CheckpointManager:
                 f"state says {train.step}; the checkpoint is inconsistent"
             )
         if self.rank == 0 and self.saving and self.cfg.resume != "auto":
-            for p in layout.abandon_newer(self.root, step):
+            for p in store.abandon_newer(self.root, step):
                 self._log(f"newer checkpoint of the old timeline moved aside: {p}")
         if self._dist:
             dist.barrier(group=self._pg)
@@ -248,32 +243,32 @@ class CheckpointManager:
         """Rank 0: which checkpoint to load, or the one-line error every rank will raise."""
         spec = str(self.cfg.resume)
         if self.saving:
-            for p in layout.clean_partial(self.root):
+            for p in store.clean_partial(self.root):
                 self._log(f"removed partial checkpoint {p}")
         if spec == "none":
             if self.saving:
-                for p in layout.abandon_newer(self.root, -1):
+                for p in store.abandon_newer(self.root, -1):
                     self._log(f"checkpoint.resume=none: existing checkpoint moved aside: {p}")
             return {"path": None, "step": 0, "error": None}
         if spec == "auto":
-            found = layout.newest_complete(self.root)
+            found = store.newest_complete(self.root)
             if found is None:
                 return {"path": None, "step": 0, "error": None}
         else:
-            found = layout.find_checkpoint(Path(spec).expanduser())
+            found = store.find_checkpoint(Path(spec).expanduser())
             if found is None:
                 return {
                     "path": None,
                     "step": 0,
                     "error": (
                         f"checkpoint.resume={spec}: no checkpoint there (expected a step_XXXXXXX "
-                        f"directory with {layout.MANIFEST}, or a directory holding them); fix the "
+                        f"directory with {store.MANIFEST}, or a directory holding them); fix the "
                         "path, or use checkpoint.resume=auto|none"
                     ),
                 }
-        problem = layout.verify(found.path, checksum=True)
+        problem = store.verify(found.path, checksum=True)
         if problem:
-            older = [c for c in layout.list_complete(found.path.parent) if c.step < found.step]
+            older = [c for c in store.list_complete(found.path.parent) if c.step < found.step]
             hint = (
                 f"pass checkpoint.resume={older[-1].path} to resume from the previous "
                 "complete checkpoint"
@@ -290,7 +285,7 @@ class CheckpointManager:
                 ),
             }
         train = _find(state, TrainState)
-        saved_yaml = found.path / layout.CONFIG_FILE
+        saved_yaml = found.path / store.CONFIG_FILE
         mismatches = model_shape_mismatches(
             saved_yaml.read_text() if saved_yaml.is_file() else None,
             train.config_yaml if train is not None else None,
@@ -355,12 +350,12 @@ class CheckpointManager:
     def save(self, step: int, state: Mapping[str, Any]) -> dict[str, float]:
         t0 = time.perf_counter()
         waited = self._wait_pending()
-        tmp = self.root / (layout.step_name(step) + layout.TMP_SUFFIX)
+        tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
         if self.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             train = _find(state, TrainState)
             if train is not None and train.config_yaml:
-                (tmp / layout.CONFIG_FILE).write_text(train.config_yaml)
+                (tmp / store.CONFIG_FILE).write_text(train.config_yaml)
         writer = FileSystemWriter(str(tmp))
         if self.cfg.mode == "sync":
             dcp.save(
@@ -427,17 +422,17 @@ class CheckpointManager:
 
     def _commit(self, tmp: Path, step: int) -> None:
         """Rank 0, after every rank's data is written: manifest, rename, prune."""
-        manifest = layout.write_manifest(
+        manifest = store.write_manifest(
             tmp,
             step=step,
             world_size=self.world_size,
             checksum=self.cfg.checksum,
             extra={"mode": self.cfg.mode, "torch": torch.__version__},
         )
-        final = self.root / layout.step_name(step)
-        layout.commit(tmp, final)
+        final = self.root / store.step_name(step)
+        store.commit(tmp, final)
         size = sum(f["size"] for f in manifest["files"].values())
-        pruned = layout.prune(self.root, self.cfg.keep_last)
+        pruned = store.prune(self.root, self.cfg.keep_last)
         self._log(
             f"step {step} committed to {final} ({size / 2**20:.1f} MiB)"
             + (f"; pruned {', '.join(p.name for p in pruned)}" if pruned else "")

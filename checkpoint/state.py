@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from checkpoint import te_compat
+from checkpoint import te_state
 from recipes.quantized import requantize_from_masters
 
 #: Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") do not depend on
@@ -100,12 +100,12 @@ class OptimizerState(Stateful):
         sd = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)
         # Older TE FusedAdam keeps plain local states for DTensor parameters (TE PR 2795);
         # saved as such they would not reshard. No-op where states already are DTensors.
-        self._wrapped = te_compat.optimizer_states_as_dtensors(sd, self.model)
+        self._wrapped = te_state.optimizer_states_as_dtensors(sd, self.model)
         return sd
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         sd = dict(sd)
-        te_compat.optimizer_states_to_local(sd, self._wrapped)
+        te_state.optimizer_states_to_local(sd, self._wrapped)
         set_optimizer_state_dict(self.model, self.optimizer, sd, options=_OPTIM_OPTIONS)
         # Block-scaled quantized weights: rebuilt from the masters just loaded (the model
         # loads first; DCP calls load_state_dict in state-dict order).
@@ -196,7 +196,7 @@ def training_state(
         "rng": RNGState(),
         "train": train_state,
     }
-    scaling = te_compat.delayed_scaling_state(model, te_recipe)
+    scaling = te_state.delayed_scaling_state(model, te_recipe)
     if scaling is not None:
         state["te_scaling"] = scaling
     return state

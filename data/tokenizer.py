@@ -11,13 +11,10 @@ import hashlib
 import numpy as np
 
 from data.config import DataConfig
+from errors import ConfigError
 
 
 def config_error(msg: str) -> Exception:
-    # Imported here, not at the top: config.py imports data.config while it is being
-    # initialized, so a module-level `from config import ConfigError` would be circular.
-    from config import ConfigError
-
     return ConfigError(msg)
 
 

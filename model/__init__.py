@@ -37,7 +37,8 @@ def build_model(cfg: ModelConfig, impl: str, **te_kwargs) -> torch.nn.Module:
     """Construct on the current default device (use `torch.device("meta")` for large models).
 
     impl must be resolved ('te' or 'torch'). te_kwargs go to the TE implementation only
-    (tensor-parallel group, sequence parallel, bf16 layer set, ...).
+    (the precision recipe, tensor-parallel group, sequence parallel); the reference runs bf16
+    only (recipes.check_recipe refuses anything else for it).
     """
     if impl == "torch":
         from model.llama import Llama

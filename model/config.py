@@ -47,3 +47,18 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_multiple
         return (self.vocab_size + m - 1) // m * m
+
+
+def block_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+    """The matrix weights of one transformer block (those TE quantizes): short name ->
+    (parameter name inside the block, global shape), with the fused QKV and [gate; up] fc1."""
+    hd = cfg.head_dim
+    return {
+        "qkv": (
+            "self_attention.layernorm_qkv.weight",
+            ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.dim),
+        ),
+        "proj": ("self_attention.proj.weight", (cfg.dim, cfg.n_heads * hd)),
+        "fc1": ("layernorm_mlp.fc1_weight", (2 * cfg.ffn_dim, cfg.dim)),
+        "fc2": ("layernorm_mlp.fc2_weight", (cfg.dim, cfg.ffn_dim)),
+    }

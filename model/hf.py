@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from config import ConfigError
+from errors import ConfigError
 from model.config import ModelConfig, RopeScalingConfig
 from model.init import canonical_name
 from model.llama import interleave_qkv, split_qkv

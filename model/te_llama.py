@@ -28,6 +28,11 @@ the same global tensor for every tp; the other stores [Q_r; K_r; V_r] per rank, 
 row order would change with tp. Blocks in `bf16_layers` are built with quantized init turned
 off; the final norm and the head are the reference's plain PyTorch modules (see __init__).
 
+Precision comes from one place, the recipe (recipes/recipe.py `Recipe`), handed to the
+constructor: it says which blocks are built with high-precision weights (`layer_init_context`),
+and the forward enters its TE autocast around the blocks (`autocast`, `layer_autocast` for
+bf16_layers). The model reads no global quantization state of its own.
+
 Sequence parallel needs TE's "sbhd" activation layout (TE gathers and scatters along the first
 dimension), so with `sequence_parallel=True` the blocks run on (seq, batch, dim) tensors. The
 parallel plan then splits the embedding output along the sequence (dim 1 of its (B, S, D)
@@ -37,49 +42,25 @@ communication itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
 import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from torch import nn
 
-try:  # TE >= 2.8 keeps the global quantization state in `quantization`.
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-except ImportError:  # pragma: no cover
-    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-
 from model.config import ModelConfig
 from model.llama import Linear, RMSNorm
 from model.rope import rope_freqs
-from recipes.recipe import resolve_bf16_layers
-
-
-def block_fp8_context(quantized: bool) -> AbstractContextManager:
-    """Quantized parts run in the caller's context; the others, when the caller is inside an
-    enabled te.autocast, turn quantization off (same recipe object: TE keys state on it)."""
-    if quantized or not FP8GlobalStateManager.is_fp8_enabled():
-        return nullcontext()
-    return te.autocast(enabled=False, recipe=FP8GlobalStateManager.get_fp8_recipe())
-
-
-def _high_precision_init(high_precision: bool) -> AbstractContextManager:
-    """Modules built inside keep high-precision weights even when the caller wraps the whole
-    construction in te.quantized_model_init (the recipe's quantized_init)."""
-    if not high_precision or not FP8GlobalStateManager.with_fp8_parameters():
-        return nullcontext()
-    return te.quantized_model_init(enabled=False, recipe=FP8GlobalStateManager.get_fp8_recipe())
+from recipes.config import RecipeConfig
+from recipes.recipe import Recipe
 
 
 class TELlama(nn.Module):
     """Decoder-only Llama on TE. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab).
 
+    recipe: the precision recipe (default: bf16, no quantization).
     tp_group / tp_size / sequence_parallel: TE's native tensor parallelism inside the blocks
     (QKV and fc1 column-parallel, proj and fc2 row-parallel). The embedding, final norm and
     head are left whole; parallel/ decides how to shard them.
-    bf16_layers: block indices (negative from the end) that run without quantization; the
-    output head never runs quantized. See `forward`.
     device: None uses the current default device (so `with torch.device("meta"):` works);
     a CPU default becomes the current CUDA device, since TE modules live on CUDA.
     """
@@ -88,10 +69,10 @@ class TELlama(nn.Module):
         self,
         cfg: ModelConfig,
         *,
+        recipe: Recipe | None = None,
         tp_group=None,
         tp_size: int = 1,
         sequence_parallel: bool = False,
-        bf16_layers: Sequence[int] = (),
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
@@ -106,7 +87,7 @@ class TELlama(nn.Module):
             tp_size = torch.distributed.get_world_size(tp_group)
         self.tp_size = tp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
-        self.bf16_layer_ids = tuple(sorted(resolve_bf16_layers(bf16_layers, cfg.n_layers)))
+        self.recipe = recipe if recipe is not None else Recipe(RecipeConfig(), cfg.n_layers)
         self.attn_input_format = "sbhd" if self.sequence_parallel else "bshd"
 
         v = cfg.padded_vocab_size
@@ -136,7 +117,7 @@ class TELlama(nn.Module):
         )
         self.layers = nn.ModuleList()
         for i in range(cfg.n_layers):
-            with _high_precision_init(i in self.bf16_layer_ids):
+            with self.recipe.layer_init_context(i):
                 self.layers.append(te.TransformerLayer(layer_number=i + 1, **layer_kwargs))
         # The final norm and the head are the reference's plain modules (always high precision).
         # TE 2.20's te.RMSNorm is an operation-fuser module that reads its weight again in
@@ -155,21 +136,20 @@ class TELlama(nn.Module):
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Blocks run in the caller's te.autocast; the blocks in `bf16_layer_ids` and the final
-        norm + head turn quantization off (`block_fp8_context`)."""
-        ctx = block_fp8_context
+        """The blocks run inside the recipe's TE autocast (bf16_layers with quantization off);
+        the embedding, final norm and head are plain modules and run in high precision."""
         x = self.embed(tokens)
         seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         freqs = self.freqs[:seq]
         if self.attn_input_format == "sbhd":
             x = x.transpose(0, 1).contiguous()
-        for i, layer in enumerate(self.layers):
-            with ctx(i not in self.bf16_layer_ids):
-                x = layer(x, rotary_pos_emb=freqs)
+        with self.recipe.autocast():
+            for i, layer in enumerate(self.layers):
+                with self.recipe.layer_autocast(i):
+                    x = layer(x, rotary_pos_emb=freqs)
         if self.attn_input_format == "sbhd":
             x = x.transpose(0, 1).contiguous()
-        with ctx(False):
-            x = self.norm(x)
-            if self.lm_head is None:
-                return F.linear(x, self.embed.weight)
-            return self.lm_head(x)
+        x = self.norm(x)
+        if self.lm_head is None:
+            return F.linear(x, self.embed.weight)
+        return self.lm_head(x)

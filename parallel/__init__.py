@@ -4,19 +4,10 @@ dims = ParallelDims(cfg.parallel, world_size)     # resolves -1, validates degre
 dims.validate_model(cfg.model)                    # tp divides heads, ffn, vocab
 dims.build_mesh("cuda")                           # after init_process_group
 model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=True)
-dcp.save(state, planner=BlockSavePlanner())       # fc1's two-block tp shards (dcp.py)
 """
 
 from parallel.config import ParallelConfig
-from parallel.dcp import BlockLoadPlanner, BlockSavePlanner, dcp_view
 from parallel.dims import ParallelDims
 from parallel.parallelize import parallelize
 
-__all__ = [
-    "BlockLoadPlanner",
-    "BlockSavePlanner",
-    "ParallelConfig",
-    "ParallelDims",
-    "dcp_view",
-    "parallelize",
-]
+__all__ = ["ParallelConfig", "ParallelDims", "parallelize"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from errors import ConfigError
 from model.config import ModelConfig
 from parallel.config import ParallelConfig
 
@@ -29,16 +30,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 
 
-def _fail(msg: str):
-    # Imported late: config.py imports parallel.config, which runs this package's __init__.
-    from config import ConfigError
-
-    raise ConfigError(msg)
-
-
 def dtype_of(name: str, field: str) -> torch.dtype:
     if name not in DTYPES:
-        _fail(f"parallel.{field}={name!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"parallel.{field}={name!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -58,19 +52,19 @@ class ParallelDims:
     @staticmethod
     def _resolve(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
         if cfg.name not in LAYOUTS:
-            _fail(f"parallel.name={cfg.name!r} is not one of {', '.join(LAYOUTS)}")
+            raise ConfigError(f"parallel.name={cfg.name!r} is not one of {', '.join(LAYOUTS)}")
         if cfg.cp != 1:
-            _fail(
+            raise ConfigError(
                 f"parallel.cp={cfg.cp} is reserved (context parallelism is not implemented); "
                 "set parallel.cp=1"
             )
         degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp}
         for name, d in degrees.items():
             if d == 0 or d < -1:
-                _fail(f"parallel.{name}={d} must be a positive degree or -1 (infer)")
+                raise ConfigError(f"parallel.{name}={d} must be a positive degree or -1 (infer)")
         inferred = [n for n, d in degrees.items() if d == -1]
         if len(inferred) > 1:
-            _fail(
+            raise ConfigError(
                 f"parallel.{' and parallel.'.join(inferred)} are all -1; at most one degree "
                 "may be inferred, set the others"
             )
@@ -80,7 +74,7 @@ class ParallelDims:
         if inferred:
             if world_size % known:
                 fixed = " x ".join(f"parallel.{n}={d}" for n, d in degrees.items() if d != -1)
-                _fail(
+                raise ConfigError(
                     f"{fixed} = {known} does not divide the world size {world_size}, "
                     f"so parallel.{inferred[0]}=-1 cannot be inferred; change them or launch a "
                     f"multiple of {known} processes"
@@ -88,14 +82,14 @@ class ParallelDims:
             degrees[inferred[0]] = world_size // known
         product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
         if product != world_size:
-            _fail(
+            raise ConfigError(
                 f"parallel.dp_replicate={degrees['dp_replicate']} x "
                 f"parallel.dp_shard={degrees['dp_shard']} x parallel.tp={degrees['tp']} = "
                 f"{product} != world size {world_size}; set one of them to -1 or launch "
                 f"{product} processes"
             )
         if cfg.name.startswith("hsdp") and degrees["dp_replicate"] < 2:
-            _fail(
+            raise ConfigError(
                 f"parallel.dp_replicate={degrees['dp_replicate']} with parallel={cfg.name}: "
                 "HSDP needs dp_replicate > 1; raise it or use parallel=fsdp"
             )
@@ -114,12 +108,12 @@ class ParallelDims:
             ("ffn_dim", mcfg.ffn_dim),
         ):
             if value % tp:
-                _fail(
+                raise ConfigError(
                     f"model.{field}={value} is not divisible by parallel.tp={tp}; "
                     f"pick a tp that divides it"
                 )
         if mcfg.padded_vocab_size % tp:
-            _fail(
+            raise ConfigError(
                 f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
                 f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
                 f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
@@ -129,7 +123,7 @@ class ParallelDims:
     def validate_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
         """Sequence parallelism splits each sequence over the tp ranks."""
         if self.sequence_parallel and seq_len % self.tp:
-            _fail(
+            raise ConfigError(
                 f"{field}={seq_len} is not divisible by parallel.tp={self.tp}, which sequence "
                 f"parallelism needs; change it or set parallel.sequence_parallel=false"
             )
@@ -172,7 +166,7 @@ class ParallelDims:
                 raise RuntimeError("build_mesh: world_size > 1 needs torch.distributed initialized")
             return None
         if dist.get_world_size() != self.world_size:
-            _fail(
+            raise ConfigError(
                 f"ParallelDims was built for {self.world_size} ranks but the process group has "
                 f"{dist.get_world_size()}"
             )

@@ -205,8 +205,8 @@ def requantize_from_masters(optimizer) -> int:
     does for them (fused_adam.py:895-897, `quantize_(master)`), so the result is the bytes the
     uninterrupted run holds. Call after loading a checkpoint; returns how many were rebuilt.
 
-    Their loaded bytes cannot be trusted: fc1 under TP is stored as two row blocks (parallel/
-    dcp.py) and TE dequantizes a partial slice of a block-scaled tensor, so that load lands in
+    Their loaded bytes cannot be trusted: fc1 under TP is stored as two row blocks (checkpoint/
+    planners.py) and TE dequantizes a partial slice of a block-scaled tensor, so that load lands in
     a temporary; a run resumed on another layout may also cut other blocks. Per-tensor FP8
     weights load their bytes exactly and are left alone (FusedAdam casts those in its fused
     kernel, which for delayed scaling also feeds the amax history).

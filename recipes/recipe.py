@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from errors import ConfigError
+from parallel.tp import fsdp_shard_extents
 from recipes.config import RecipeConfig
 
 #: Recipe name -> lowest compute capability that runs it (TE 2.20.2 quantization.py:
@@ -60,13 +62,6 @@ WEIGHT_TYPES: dict[str, tuple[str, str]] = {
 
 FP8_FORMATS = ("HYBRID", "E4M3")  # TE asserts against pure E5M2 training
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-
-
-def _config_error(msg: str) -> Exception:
-    # Imported here: config.py imports recipes.config, so a top-level import would be circular.
-    from config import ConfigError
-
-    return ConfigError(msg)
 
 
 def sm(capability: tuple[int, int]) -> str:
@@ -123,20 +118,20 @@ def _check_fields(cfg: RecipeConfig) -> None:
         name in ("fp8_delayed", "fp8_cs", "fp8_block", "mxfp8")
         and cfg.fp8_format not in FP8_FORMATS
     ):
-        raise _config_error(
+        raise ConfigError(
             f"recipe.fp8_format={cfg.fp8_format!r} is not one of "
             f"{', '.join(FP8_FORMATS)} (TE does not train in pure E5M2)"
         )
     if name == "fp8_delayed":
         if cfg.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise _config_error(
+            raise ConfigError(
                 f"recipe.amax_compute_algo={cfg.amax_compute_algo!r} is not one "
                 f"of {', '.join(AMAX_COMPUTE_ALGOS)}"
             )
         if cfg.amax_history_len < 1:
-            raise _config_error(f"recipe.amax_history_len={cfg.amax_history_len} must be >= 1")
+            raise ConfigError(f"recipe.amax_history_len={cfg.amax_history_len} must be >= 1")
         if cfg.margin < 0:
-            raise _config_error(f"recipe.margin={cfg.margin} must be >= 0")
+            raise ConfigError(f"recipe.margin={cfg.margin} must be >= 0")
     if name == "fp8_block":
         dims = {
             "x_block_scaling_dim": cfg.x_block_scaling_dim,
@@ -145,12 +140,12 @@ def _check_fields(cfg: RecipeConfig) -> None:
         }
         for key, value in dims.items():
             if value not in (1, 2):
-                raise _config_error(
+                raise ConfigError(
                     f"recipe.{key}={value} must be 1 (1x128 tiles) or 2 (128x128 blocks)"
                 )
         two_d = [key for key, value in dims.items() if value == 2]
         if len(two_d) > 1:
-            raise _config_error(
+            raise ConfigError(
                 f"recipe.{two_d[0]} and recipe.{two_d[1]} are both 2: TE has no "
                 "2D-by-2D block GEMM; set one of them to 1"
             )
@@ -164,21 +159,21 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
     """
     name = cfg.name
     if name not in SUPPORTED:
-        raise _config_error(f"recipe.name={name!r} is not one of {', '.join(RECIPES)}")
+        raise ConfigError(f"recipe.name={name!r} is not one of {', '.join(RECIPES)}")
     if name == "bf16" and cfg.quantized_init:
-        raise _config_error(
+        raise ConfigError(
             "recipe.quantized_init=true has no effect with recipe=bf16 (nothing "
             "is quantized); drop recipe.quantized_init or pick a quantized recipe"
         )
     _check_fields(cfg)
     if name != "bf16" and impl != "te":
-        raise _config_error(
+        raise ConfigError(
             f"recipe={name} needs the TE implementation (model.impl=te) and a "
             "CUDA GPU; the reference implementation runs bf16 only"
         )
     if device.type != "cuda":
         if name != "bf16":
-            raise _config_error(
+            raise ConfigError(
                 f"recipe={name} needs TransformerEngine and a CUDA GPU; this run "
                 "is on CPU, which runs recipe=bf16 only"
             )
@@ -189,7 +184,7 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
     gpu, capability = recipes.device_capability(device)
     if not recipe_runs_on(name, capability):
         runs = ", ".join(runnable_recipes(capability)) or "none of them"
-        raise _config_error(
+        raise ConfigError(
             f"recipe={name} needs compute capability "
             f"{_requirement(name, capability)}; this GPU is {gpu} "
             f"({sm(capability)}), which runs: {runs}"
@@ -197,37 +192,13 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
     if impl == "te":
         ok, reason = recipes.te_support(name)
         if not ok:
-            raise _config_error(
+            raise ConfigError(
                 f"recipe={name} is not available on {gpu} ({sm(capability)}): {reason.strip()}"
             )
 
 
 #: Recipes whose quantized weights FSDP2 all-gathers as several tensors (data + block scales).
 MULTI_TENSOR_WEIGHTS = ("fp8_block", "mxfp8", "nvfp4")
-
-
-def te_weight_shapes(mcfg) -> dict[str, tuple[int, int]]:
-    """Global (rows, cols) of the quantized weights of one block (fused QKV and gate/up)."""
-    hd = mcfg.head_dim
-    return {
-        "qkv": ((mcfg.n_heads + 2 * mcfg.n_kv_heads) * hd, mcfg.dim),
-        "proj": (mcfg.dim, mcfg.n_heads * hd),
-        "fc1": (2 * mcfg.ffn_dim, mcfg.dim),
-        "fc2": (mcfg.dim, mcfg.ffn_dim),
-    }
-
-
-def fsdp_shard_extents(mcfg, dp_shard: int, tp: int) -> dict[str, tuple[str, int, int]]:
-    """Per weight: (which dim FSDP shards, that dim's tp-local size, FSDP shard size). TP
-    splits qkv and fc1 by rows, proj and fc2 by columns (parallel/tp.py); FSDP shards dim 0,
-    except fc1 under TP, which it shards along dim 1 (parallel/tp.py fsdp_shard_placement)."""
-    out = {}
-    for name, (rows, cols) in te_weight_shapes(mcfg).items():
-        local = [rows, cols]
-        local[0 if name in ("qkv", "fc1") else 1] //= tp
-        dim = 1 if (name == "fc1" and tp > 1) else 0
-        out[name] = (("rows", "columns")[dim], local[dim], -(-local[dim] // dp_shard))
-    return out
 
 
 def _weight_block(cfg: RecipeConfig) -> int:
@@ -240,7 +211,7 @@ def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int,
 
     All concern quantized weights that FSDP2 all-gathers as several tensors (data + block
     scales) on more than one process. FSDP2's one-rank shard mesh and the dim-1 sharding of fc1
-    under TP need the fixes in checkpoint/te_compat.py; the second exists for FP8 128x128
+    under TP need the fixes in compat/fsdp2.py; the second exists for FP8 128x128
     blocks only, so MXFP8 / NVFP4 are refused where FSDP shards fc1 along dim 1. Each FSDP
     shard must hold whole scale blocks, or the all-gathered scales do not describe the weight.
     """
@@ -248,13 +219,13 @@ def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int,
         return
     fix = "or use recipe.quantized_init=false"
     if cfg.name == "fp8_block" and cfg.w_block_scaling_dim != 2:
-        raise _config_error(
+        raise ConfigError(
             f"recipe=fp8_block with recipe.quantized_init=true on {world_size} processes needs "
             f"recipe.w_block_scaling_dim=2 (TE all-gathers only 128x128-block weights); set it, "
             f"{fix}"
         )
     if cfg.name == "nvfp4" and cfg.disable_2d_quantization:
-        raise _config_error(
+        raise ConfigError(
             f"recipe=nvfp4 with recipe.quantized_init=true on {world_size} processes needs "
             f"recipe.disable_2d_quantization=false (TE derives the all-gathered weight's "
             f"transpose from 2-D blocks); set it, {fix}"
@@ -262,7 +233,7 @@ def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int,
     if dp_shard == 1:
         return  # nothing is all-gathered
     if tp > 1 and cfg.name != "fp8_block":
-        raise _config_error(
+        raise ConfigError(
             f"recipe={cfg.name} with recipe.quantized_init=true does not combine with "
             f"parallel.tp={tp} and parallel.dp_shard={dp_shard}: FSDP2 shards fc1 along dim 1 "
             f"under tensor parallelism, and only FP8 128x128 blocks are regrouped after that "
@@ -271,7 +242,7 @@ def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int,
     block = _weight_block(cfg)
     for name, (axis, size, shard) in fsdp_shard_extents(mcfg, dp_shard, tp).items():
         if size % dp_shard or shard % block:
-            raise _config_error(
+            raise ConfigError(
                 f"recipe={cfg.name} with recipe.quantized_init=true: FSDP2 splits the {size} "
                 f"{axis} of each {name} weight (tp-local, parallel.tp={tp}) over "
                 f"parallel.dp_shard={dp_shard}, giving shards of {size / dp_shard:g} {axis}; each "
@@ -286,7 +257,7 @@ def resolve_bf16_layers(indices: Iterable[int], n_layers: int) -> frozenset[int]
     indices = [int(i) for i in indices]
     bad = [i for i in indices if not -n_layers <= i < n_layers]
     if bad:
-        raise _config_error(
+        raise ConfigError(
             f"recipe.bf16_layers={indices} has index {bad[0]} "
             f"outside model.n_layers={n_layers}; use 0..{n_layers - 1}, or "
             f"-{n_layers}..-1 to count from the end"
@@ -355,7 +326,7 @@ def te_recipe_spec(cfg: RecipeConfig) -> TERecipeSpec | None:
                 "disable_2d_quantization": cfg.disable_2d_quantization,
             },
         )
-    raise _config_error(f"recipe.name={name!r} is not one of {', '.join(RECIPES)}")
+    raise ConfigError(f"recipe.name={name!r} is not one of {', '.join(RECIPES)}")
 
 
 def build_te_recipe(spec: TERecipeSpec):
@@ -449,14 +420,9 @@ class Recipe:
 
     def layer_autocast(self, layer_index: int) -> AbstractContextManager:
         """Around block `layer_index` inside `autocast`: turns quantized compute off for
-        bf16_layers (TE remembers the choice for the block's backward)."""
+        bf16_layers (TE remembers the choice for the block's backward). The TE model enters it
+        around each block."""
         if not self.is_bf16_layer(layer_index):
-            return nullcontext()
-        return _te_autocast(False, self.te_recipe(), None)
-
-    def high_precision_autocast(self) -> AbstractContextManager:
-        """Around the output head when it is a TE module: it is always kept in high precision."""
-        if not self.is_quantized:
             return nullcontext()
         return _te_autocast(False, self.te_recipe(), None)
 
@@ -469,14 +435,9 @@ class Recipe:
         return _te_quantized_model_init(True, self.te_recipe(), preserve_high_precision_init_val)
 
     def layer_init_context(self, layer_index: int) -> AbstractContextManager:
-        """Around building block `layer_index`: bf16_layers get high-precision weights."""
+        """Around building block `layer_index` (inside `quantized_init_context`): bf16_layers
+        get high-precision weights. The TE model enters it around each block's construction."""
         if not (self.quantized_init and self.is_bf16_layer(layer_index)):
-            return nullcontext()
-        return _te_quantized_model_init(False, self.te_recipe(), False)
-
-    def high_precision_init_context(self) -> AbstractContextManager:
-        """Around the construction of the output head (and embeddings) if they are TE modules."""
-        if not self.quantized_init:
             return nullcontext()
         return _te_quantized_model_init(False, self.te_recipe(), False)
 
@@ -521,6 +482,27 @@ class Recipe:
             with self.autocast():
                 create_weight_quantizers(model)
         return self.set_weight_amax_groups(model, group)
+
+    def prepare_weights(self, model: torch.nn.Module, weight_shard_group, tp_group):
+        """After the model is materialized and initialized: cast quantized_init weights from
+        their initial values and give the per-tensor weight quantizers the amax-reduction
+        group of the layout (recipes/amax.py). Returns that group (None: no reduction), which
+        `attach_optimizer` needs."""
+        group = self.weight_amax_group(weight_shard_group, tp_group)
+        self.quantize_weights(model, group)
+        self.init_weight_quantizers(model, group)
+        return group
+
+    def attach_optimizer(self, model: torch.nn.Module, optimizer, amax_group) -> None:
+        """Seed FusedAdam's fp32 masters from the exact initial values (quantized_init), and
+        re-apply `amax_group` before every optimizer step (an optimizer step pre-hook): FSDP2's
+        all-gather hook resets the quantized weights' group to the dp_shard group, and FusedAdam
+        re-quantizes the updated masters with the group the weights hold."""
+        self.seed_master_weights(model, optimizer)
+        if self.needs_weight_amax_group and amax_group is not None:
+            optimizer.register_step_pre_hook(
+                lambda _opt, _args, _kwargs: self.set_weight_amax_groups(model, amax_group)
+            )
 
     def set_weight_amax_groups(self, model: torch.nn.Module, group) -> int:
         """Apply `group` (from weight_amax_group) to the per-tensor weight quantizers and

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint import CheckpointManager, TrainState, layout, training_state
+from checkpoint import CheckpointManager, TrainState, store, training_state
 from checkpoint.config import CheckpointConfig
 from checkpoint.manager import model_shape_mismatches
 from checkpoint.state import RNGState
@@ -178,46 +178,46 @@ def single_run(run_dir: Path, steps: int, *, cfg: ModelConfig = MODEL, seed_rng:
 
 
 def _fake_checkpoint(root: Path, step: int, payload: bytes = b"x" * 100) -> Path:
-    tmp = root / (layout.step_name(step) + layout.TMP_SUFFIX)
+    tmp = root / (store.step_name(step) + store.TMP_SUFFIX)
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(payload)
     (tmp / ".metadata").write_bytes(b"m")
-    layout.write_manifest(tmp, step=step, world_size=1, checksum=True)
-    final = root / layout.step_name(step)
-    layout.commit(tmp, final)
+    store.write_manifest(tmp, step=step, world_size=1, checksum=True)
+    final = root / store.step_name(step)
+    store.commit(tmp, final)
     return final
 
 
 def test_layout_commit_list_verify_prune(tmp_path):
     for s in (10, 20, 30):
         _fake_checkpoint(tmp_path, s)
-    partial = tmp_path / (layout.step_name(40) + layout.TMP_SUFFIX)
+    partial = tmp_path / (store.step_name(40) + store.TMP_SUFFIX)
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half")
-    stray = tmp_path / layout.step_name(50)  # a step dir without manifest is not complete
+    stray = tmp_path / store.step_name(50)  # a step dir without manifest is not complete
     stray.mkdir()
-    assert [c.step for c in layout.list_complete(tmp_path)] == [10, 20, 30]
-    assert layout.newest_complete(tmp_path).step == 30
+    assert [c.step for c in store.list_complete(tmp_path)] == [10, 20, 30]
+    assert store.newest_complete(tmp_path).step == 30
 
-    manifest = json.loads((tmp_path / "step_0000030" / layout.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "step_0000030" / store.MANIFEST).read_text())
     assert manifest["step"] == 30 and manifest["files"]["__0_0.distcp"]["size"] == 100
     assert "crc32" in manifest["files"]["__0_0.distcp"]
-    assert layout.verify(tmp_path / "step_0000030") is None
+    assert store.verify(tmp_path / "step_0000030") is None
 
     with (tmp_path / "step_0000030" / "__0_0.distcp").open("r+b") as f:
         f.truncate(60)
-    assert "has 60 bytes, the manifest says 100" in layout.verify(tmp_path / "step_0000030")
+    assert "has 60 bytes, the manifest says 100" in store.verify(tmp_path / "step_0000030")
     (tmp_path / "step_0000020" / "__0_0.distcp").write_bytes(b"y" * 100)  # same size
-    assert layout.verify(tmp_path / "step_0000020", checksum=False) is None
-    assert "CRC32" in layout.verify(tmp_path / "step_0000020")
+    assert store.verify(tmp_path / "step_0000020", checksum=False) is None
+    assert "CRC32" in store.verify(tmp_path / "step_0000020")
     (tmp_path / "step_0000010" / ".metadata").unlink()
-    assert "missing" in layout.verify(tmp_path / "step_0000010")
+    assert "missing" in store.verify(tmp_path / "step_0000010")
 
-    assert layout.clean_partial(tmp_path) == [partial] and not partial.exists()
-    assert [p.name for p in layout.prune(tmp_path, 2)] == ["step_0000010"]
-    assert [c.step for c in layout.list_complete(tmp_path)] == [20, 30]
-    assert layout.prune(tmp_path, 1) and [c.step for c in layout.list_complete(tmp_path)] == [30]
-    assert layout.prune(tmp_path, 1) == []  # the newest complete one always stays
+    assert store.clean_partial(tmp_path) == [partial] and not partial.exists()
+    assert [p.name for p in store.prune(tmp_path, 2)] == ["step_0000010"]
+    assert [c.step for c in store.list_complete(tmp_path)] == [20, 30]
+    assert store.prune(tmp_path, 1) and [c.step for c in store.list_complete(tmp_path)] == [30]
+    assert store.prune(tmp_path, 1) == []  # the newest complete one always stays
     assert stray.exists()
 
 
@@ -225,17 +225,17 @@ def test_layout_find_commit_over_existing_and_abandon(tmp_path):
     root = tmp_path / "checkpoints"
     _fake_checkpoint(root, 10)
     _fake_checkpoint(root, 20, payload=b"old")
-    assert layout.find_checkpoint(tmp_path).step == 20  # a run dir
-    assert layout.find_checkpoint(root).step == 20  # a checkpoints dir
-    assert layout.find_checkpoint(root / "step_0000010").step == 10
-    assert layout.find_checkpoint(tmp_path / "nope") is None
-    assert layout.find_checkpoint(root / "step_0000010" / ".metadata") is None
+    assert store.find_checkpoint(tmp_path).step == 20  # a run dir
+    assert store.find_checkpoint(root).step == 20  # a checkpoints dir
+    assert store.find_checkpoint(root / "step_0000010").step == 10
+    assert store.find_checkpoint(tmp_path / "nope") is None
+    assert store.find_checkpoint(root / "step_0000010" / ".metadata") is None
     # Re-saving a step that exists (a new timeline) replaces it.
     _fake_checkpoint(root, 20, payload=b"new!")
     assert (root / "step_0000020" / "__0_0.distcp").read_bytes() == b"new!"
-    moved = layout.abandon_newer(root, 10)
+    moved = store.abandon_newer(root, 10)
     assert len(moved) == 1 and moved[0].name.startswith("step_0000020.abandoned")
-    assert [c.step for c in layout.list_complete(root)] == [10]
+    assert [c.step for c in store.list_complete(root)] == [10]
 
 
 def test_model_shape_mismatches_names_fields():
@@ -254,7 +254,7 @@ def test_sync_resume_is_bitwise_and_prunes(tmp_path):
     start, first, _, _ = single_run(tmp_path / "b", 4, keep_last=2, interval=1)
     assert start == 0 and first == straight[:4]
     ckpts = tmp_path / "b" / "checkpoints"
-    assert [c.step for c in layout.list_complete(ckpts)] == [3, 4]
+    assert [c.step for c in store.list_complete(ckpts)] == [3, 4]
     assert not list(ckpts.glob("*.tmp"))
     assert (ckpts / "step_0000004" / "config.yaml").read_text() == config_yaml()
     start, second, model_b, train_state = single_run(tmp_path / "b", 8, keep_last=2, interval=1)
@@ -298,14 +298,14 @@ def test_stats_report_completed_saves(tmp_path):
     stats = ckpt.stats()
     assert stats["save_total_s"] >= stats["save_blocking_s"] > 0
     assert ckpt.stats() == {}
-    assert layout.newest_complete(tmp_path / "checkpoints").step == 1
+    assert store.newest_complete(tmp_path / "checkpoints").step == 1
 
 
 def test_resume_none_moves_old_checkpoints_aside(tmp_path):
     single_run(tmp_path, 4, interval=2)
     start, _, _, _ = single_run(tmp_path, 2, interval=2, resume="none")
     assert start == 0
-    assert [c.step for c in layout.list_complete(tmp_path / "checkpoints")] == [2]
+    assert [c.step for c in store.list_complete(tmp_path / "checkpoints")] == [2]
     assert len(list((tmp_path / "checkpoints").glob("step_0000004.abandoned*"))) == 1
 
 
@@ -369,7 +369,7 @@ def test_error_truncated_file_detected_and_previous_resumable(tmp_path):
     )
     assert start == 2
     # The damaged newer checkpoint was moved out of auto-resume's way.
-    assert [c.step for c in layout.list_complete(tmp_path / "checkpoints")] == [2, 3]
+    assert [c.step for c in store.list_complete(tmp_path / "checkpoints")] == [2, 3]
 
 
 def test_error_missing_entry_names_key(tmp_path):
@@ -422,21 +422,23 @@ def test_rng_state_roundtrip():
     assert torch.equal(torch.rand(4), a) and random.random() == b
 
 
-def test_package_import_is_lazy():
-    """`import config` must not import torch.distributed.checkpoint (circular + slow)."""
+def test_packages_import_in_any_order():
+    """Plain imports, no cycle: config (which imports every group's schema) and the packages
+    whose schemas it imports load first in a fresh interpreter, whichever comes first."""
     import subprocess
     import sys
 
-    code = "import sys, config; import checkpoint; print('checkpoint.manager' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=120,
-    )
-    assert out.stdout.strip() == "False", out.stderr
+    for first in ("config", "checkpoint", "parallel", "recipes", "data", "model", "train"):
+        code = f"import {first}, config, checkpoint, parallel, recipes, data, model"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ),
+            timeout=120,
+        )
+        assert out.returncode == 0, f"import {first} first: {out.stderr[-500:]}"
 
 
 def test_async_save_works_when_dcp_closes_the_stager(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from checkpoint import CheckpointManager, layout
+from checkpoint import CheckpointManager, store
 from checkpoint.config import CheckpointConfig
 from config import ConfigError
 from model.init import init_weights
@@ -197,9 +197,9 @@ def test_resume_is_bitwise(mode, straight, tmp_path):
     assert second["start"] == 20 and second["losses"] == straight["losses"][20:]
     assert first["ids"] + second["ids"] == straight["ids"]
     root = tmp_path / "checkpoints"
-    assert [c.step for c in layout.list_complete(root)] == [30, 40]  # keep_last=2
+    assert [c.step for c in store.list_complete(root)] == [30, 40]  # keep_last=2
     assert not list(root.glob("*.tmp"))
-    manifest = layout.read_manifest(root / "step_0000040")
+    manifest = store.read_manifest(root / "step_0000040")
     assert manifest["world_size"] == 2 and manifest["mode"] == mode
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "config.yaml"} <= set(manifest["files"])
 
@@ -268,7 +268,7 @@ def test_kill_during_async_save_resumes_from_previous(straight, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
         proc.wait()
     root = tmp_path / "checkpoints"
-    assert [c.step for c in layout.list_complete(root)] == [5]
+    assert [c.step for c in store.list_complete(root)] == [5]
     partial = root / "step_0000010.tmp"
     assert partial.is_dir() and list(partial.glob("*.distcp"))  # data written, never committed
 
@@ -276,7 +276,7 @@ def test_kill_during_async_save_resumes_from_previous(straight, tmp_path):
     assert again["start"] == 5
     assert again["losses"] == straight["losses"][5:10]
     assert not partial.exists()
-    assert [c.step for c in layout.list_complete(root)] == [5, 10]
+    assert [c.step for c in store.list_complete(root)] == [5, 10]
 
 
 # -- resharding ---------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def test_reshard_fsdp4_to_fsdp2_and_tp2(tmp_path):
         opts={"mask_labels": False, "dump_at_step": 10, "dump_at": str(ref_dump)},
     )
     saved = tmp_path / "fsdp4" / "checkpoints" / "step_0000010"
-    assert layout.read_manifest(saved)["world_size"] == 4
+    assert store.read_manifest(saved)["world_size"] == 4
     want = torch.load(ref_dump, weights_only=False)
     for name in ("fsdp", "tp"):
         dump = tmp_path / f"{name}_resumed.pt"
@@ -367,7 +367,7 @@ class LegacyAdamW(torch.optim.AdamW):
 
 
 def _legacy_save(rank, world_size, run_dir):
-    import checkpoint.te_compat as te_compat
+    import checkpoint.te_state as te_state
 
     model, forward, dp_group, loader = build("fsdp", rank, world_size)
     optimizer = LegacyAdamW(model.parameters(), lr=1e-3)
@@ -384,7 +384,7 @@ def _legacy_save(rank, world_size, run_dir):
         torch.save(full, Path(run_dir) / "full.pt")
     for name, fixed in (("fixed", True), ("unfixed", False)):
         if not fixed:  # what saving looked like without the fix
-            te_compat.optimizer_states_as_dtensors = lambda osd, model: set()
+            te_state.optimizer_states_as_dtensors = lambda osd, model: set()
         ckpt = CheckpointManager(
             CheckpointConfig(mode="sync", dir=name, resume="none"),
             Path(run_dir),
@@ -439,7 +439,7 @@ def _legacy_load(rank, world_size, run_dir):
 
 def test_plain_optimizer_states_of_dtensor_params_reshard(tmp_path):
     """Saved by 2 ranks with an optimizer that keeps per-rank states, loaded on 1 rank: works
-    with te_compat's wrapping, fails (clearly) without it."""
+    with checkpoint/te_state.py's wrapping, fails (clearly) without it."""
     run_distributed(_legacy_save, 2, str(tmp_path))
     run_distributed(_legacy_load, 1, str(tmp_path))
 
@@ -467,7 +467,7 @@ def _scaling_meta(rank: int):
 
 
 def _amax_max_worker(rank, world_size):
-    from checkpoint.te_compat import TEScalingState
+    from checkpoint.te_state import TEScalingState
 
     module = _scaling_meta(rank)
     live_fwd = module.fp8_meta["scaling_fwd"].amax_history.clone()
@@ -492,7 +492,7 @@ def _post_all_gather_worker(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from checkpoint.te_compat import wrap_post_all_gather
+    from compat.te import wrap_post_all_gather
 
     seen = {}
 

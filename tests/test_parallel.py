@@ -181,7 +181,7 @@ def test_mesh_groups():
     run_distributed(_groups, 4, [(2, 1, 2), (1, 2, 2), (2, 2, 1)])
 
 
-# ---- DCP with fc1's two-block tp shards (parallel/dcp.py) ------------------------------------
+# ---- DCP with fc1's two-block tp shards (checkpoint/planners.py) ------------------------------------
 
 
 def _dcp_model(world, kw, seed, steps):
@@ -224,7 +224,7 @@ def _dcp_save(rank, world, kw, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from parallel.dcp import BlockSavePlanner
+    from checkpoint.planners import BlockSavePlanner
 
     model, opt = _dcp_model(world, kw, 5, 1)
     msd, osd = get_state_dict(model, opt)
@@ -242,7 +242,7 @@ def _dcp_load(rank, world, kw, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from parallel.dcp import BlockLoadPlanner
+    from checkpoint.planners import BlockLoadPlanner
 
     model, opt = _dcp_model(world, kw, 6, 1)  # other weights, its own optimizer states
     msd, osd = get_state_dict(model, opt)

@@ -335,10 +335,8 @@ def test_bf16_contexts_are_noops(monkeypatch):
     for ctx in (
         recipe.autocast(),
         recipe.layer_autocast(0),
-        recipe.high_precision_autocast(),
         recipe.quantized_init_context(),
         recipe.layer_init_context(0),
-        recipe.high_precision_init_context(),
     ):
         assert isinstance(ctx, nullcontext)
     assert calls.autocast == calls.init == []
@@ -356,23 +354,17 @@ def test_quantized_contexts(monkeypatch):
         for i in range(4):
             with recipe.layer_autocast(i):
                 pass
-        with recipe.high_precision_autocast():
-            pass
-    # Only the bf16 layer (3) and the head open a disabled autocast; all use one recipe object.
+    # Only the bf16 layer (3) opens a disabled autocast; all use one recipe object.
     assert calls.autocast == [
         (True, te_recipe, group),
-        (False, te_recipe, None),
         (False, te_recipe, None),
     ]
     with recipe.quantized_init_context():
         for i in range(4):
             with recipe.layer_init_context(i):
                 pass
-        with recipe.high_precision_init_context():
-            pass
     assert calls.init == [
         (True, te_recipe, True),
-        (False, te_recipe, False),
         (False, te_recipe, False),
     ]
     assert (recipe.weight_quantizer_class, recipe.weight_tensor_class) == (
@@ -759,7 +751,7 @@ def test_recipe_seed_master_weights_only_with_quantized_init():
 
 
 def test_block_scaled_quantized_weights_on_every_layout():
-    """fp8_block quantized weights run on every 4-process layout (te_compat handles FSDP2's
+    """fp8_block quantized weights run on every 4-process layout (compat/fsdp2.py handles FSDP2's
     one-rank mesh and fc1's dim-1 shards); MXFP8 / NVFP4 are refused only where FSDP shards
     fc1 along dim 1; shards that split a scale block are refused with the weight named."""
     from recipes import check_recipe_layout
@@ -802,7 +794,7 @@ def test_block_scaled_quantized_weights_on_every_layout():
     check_recipe_layout(block, tiny, 2, dp_shard=1, tp=1)  # ddp: nothing sharded
     check_recipe_layout(block, tiny, 1, dp_shard=1, tp=1)  # one process
     # What FSDP splits: fc1 along its columns under TP, everything else along dim 0.
-    from recipes.recipe import fsdp_shard_extents
+    from parallel.tp import fsdp_shard_extents
 
     assert fsdp_shard_extents(mcfg, dp_shard=2, tp=2) == {
         "qkv": ("rows", 512, 256),

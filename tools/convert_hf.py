@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from config import ConfigError  # noqa: E402
+from errors import ConfigError  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.hf import load_hf, save_hf  # noqa: E402
 
@@ -55,7 +55,7 @@ def load_model_config(spec: str, overrides: list[str] | None = None) -> ModelCon
 
 def model_yaml(cfg: ModelConfig) -> str:
     body = OmegaConf.to_yaml(OmegaConf.create(asdict(cfg)))
-    header = "# Converted from Hugging Face by tools/convert_hf.py.\ndefaults:\n  - base_model\n"
+    header = "# Converted from Hugging Face by tools/convert_hf.py.\n"
     return f"{header}\n{body}"
 
 

@@ -36,20 +36,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import ConfigError, OptimConfig, compose_config  # noqa: E402
+import compat  # noqa: E402
+from checkpoint.planners import local_global_indices  # noqa: E402
+from config import OptimConfig, compose_config  # noqa: E402
+from errors import ConfigError  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.init import full_init_value  # noqa: E402
-from optim import build_optimizer, clip_grad_norm  # noqa: E402
+from optim import build_optimizer  # noqa: E402
 from parallel import ParallelConfig, ParallelDims  # noqa: E402
-from parallel.dcp import local_global_indices  # noqa: E402
 from parallel.dims import LAYOUTS  # noqa: E402
 from recipes import build_recipe  # noqa: E402
 from recipes.config import RecipeConfig  # noqa: E402
-from train import build_parallel_model  # noqa: E402
+from train import build_parallel_model, train_step  # noqa: E402
 
 #: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
 #: change the order of bf16 sums (TP partial sums, reduce-scatter) and FP8 scales are per
@@ -107,22 +108,20 @@ def train_curve(cfg, spec, dims, device, data, lr) -> list[float]:
     opt = build_optimizer(
         model, OptimConfig(lr=lr, weight_decay=0.1), "te", recipe.fused_adam_kwargs()
     )
-    recipe.seed_master_weights(model, opt)
+    recipe.attach_optimizer(model, opt, group)
     dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
     per_rank = data.shape[1] // dp_size
     losses = []
     for step in range(data.shape[0]):
         seq = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16), recipe.autocast():
-            logits = model(seq[:, :-1])
-        logits = logits[..., : cfg.vocab_size].float()
-        loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
-        loss.backward()
-        clip_grad_norm(model.parameters(), 1.0)
-        recipe.set_weight_amax_groups(model, group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        logged = loss.detach()
+        logged, _ = train_step(
+            model,
+            opt,
+            seq[:, :-1],
+            seq[:, 1:],
+            grad_clip=1.0,
+            autocast=torch.autocast("cuda", dtype=torch.bfloat16),
+        )
         if dims is not None and dims.dp_group is not None:
             dist.all_reduce(logged, group=dims.dp_group)
             logged = logged / dims.dp_size
@@ -234,6 +233,7 @@ def main() -> int:
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
+    compat.apply_all()  # what train.py does before building a model
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_cfg()
     data = batches(cfg, args.steps, args.global_batch, args.seq_len)

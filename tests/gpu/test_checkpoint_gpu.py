@@ -1,5 +1,6 @@
-"""checkpoint/ with TransformerEngine on GPU: each te_compat fix, with a check that fails when
-the fix is absent (by forcing TE's unpatched path), and quantized-parameter save/resume.
+"""checkpoint/ with TransformerEngine on GPU: each TE fix of compat/te.py and checkpoint/te_state.py
+that checkpoints rely on, with a check that fails when the fix is absent (by forcing TE's
+unpatched path), and quantized-parameter save/resume.
 
     python -m pytest -m gpu tests/gpu/test_checkpoint_gpu.py -q -s
 
@@ -49,6 +50,9 @@ def pg():
         )
         torch.cuda.set_device(0)
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    import compat
+
+    compat.apply_all()  # what train.py does before building a model
     yield
     if owned:
         dist.destroy_process_group()
@@ -133,23 +137,23 @@ def test_untyped_storage_fix_needed_for_fsdp2_load(pg, tmp_path, monkeypatch):
     from transformer_engine.common.recipe import Float8BlockScaling
     from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
-    import checkpoint.te_compat as te_compat
+    import compat.te as compat_te
     from checkpoint.state import ModelState
 
-    assert te_compat.quantized_tensor_has_storage_fix()  # TE 2.20.2 has PR 2974
+    assert compat_te.quantized_tensor_has_storage_fix()  # TE 2.20.2 has PR 2974
     saved = _quantized_linear(Float8BlockScaling(), seed=0)
     ckpt = _manager(tmp_path)
     ckpt.save(1, {"model": ModelState(saved)})
     ckpt.finish(1, {}, save=False)
 
-    manager = _manager(tmp_path)  # (its constructor applies the fixes: make it first)
+    manager = _manager(tmp_path)
     monkeypatch.delattr(QuantizedTensor, "untyped_storage")  # TE without PR 2974
     broken = _quantized_linear(Float8BlockScaling(), seed=1)
     assert manager.resume({"model": ModelState(broken)}) == 1  # sharded data was meta
     with pytest.raises(RuntimeError, match="storage|data pointer"):
         manager.resume({"model": ModelState(broken)})
 
-    assert te_compat.ensure_quantized_tensor_storage() is True  # detected missing: patched
+    assert compat_te.ensure_quantized_tensor_storage() is True  # detected missing: patched
     fixed = _quantized_linear(Float8BlockScaling(), seed=1)
     assert not torch.equal(_dequantized_weight(fixed), _dequantized_weight(saved))
     for _ in range(2):
@@ -163,12 +167,16 @@ def test_untyped_storage_fix_needed_for_fsdp2_load(pg, tmp_path, monkeypatch):
 @pytest.mark.parametrize("recipe_name", ["fp8_cs", "fp8_block"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_quantized_params_roundtrip(pg, tmp_path, recipe_name, mode):
+    import transformer_engine_torch as tex
     from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
-    import checkpoint.te_compat as te_compat
     from checkpoint.state import ModelState
 
-    assert te_compat.quantized_staging_supported()
+    # DCP stages a quantized tensor to CPU without dequantizing it (TE PR 2974).
+    q = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cuda"))
+    assert isinstance(q(torch.ones(16, 16, device="cuda")).cpu(), QuantizedTensor)
     recipe = Float8CurrentScaling() if recipe_name == "fp8_cs" else Float8BlockScaling()
     saved = _quantized_linear(recipe, seed=0)
     ckpt = _manager(tmp_path, mode=mode)
@@ -179,8 +187,8 @@ def test_quantized_params_roundtrip(pg, tmp_path, recipe_name, mode):
     local = loaded.weight._local_tensor
     assert type(local).__name__ != "Tensor"  # still quantized after the load
     assert torch.equal(_dequantized_weight(loaded), _dequantized_weight(saved))
-    # fp8_block on this 1-rank FSDP2 mesh runs through te_compat's one-rank fix (applied by
-    # the checkpoint manager): torch alone would hand TE only the data, not the block scales.
+    # fp8_block on this 1-rank FSDP2 mesh runs through compat/fsdp2.py's one-rank fix (applied
+    # by the pg fixture): torch alone would hand TE only the data, not the block scales.
     torch.manual_seed(3)
     y_loaded = _forward_backward(loaded, recipe)
     torch.manual_seed(3)
@@ -275,10 +283,8 @@ def test_fused_adam_states_are_dtensors_and_legacy_ones_get_wrapped(pg, monkeypa
     from torch.distributed.tensor import DTensor
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    import checkpoint.te_compat as te_compat
     from checkpoint.state import OptimizerState
 
-    assert te_compat.fused_adam_has_dtensor_states()
     model = te.Linear(DIM, DIM, bias=False, device="cuda")
     fully_shard(model, mesh=_mesh("dp_shard"))
     opt = FusedAdam(model.parameters(), lr=1e-3)
@@ -305,56 +311,7 @@ def test_fused_adam_states_are_dtensors_and_legacy_ones_get_wrapped(pg, monkeypa
     assert isinstance(sd["state.weight.exp_avg"], DTensor)
 
 
-# -- 5. amax group of weight shards on multi-dim meshes ----------------------------------------
-
-
-def test_shard_amax_group_on_2d_mesh(pg, monkeypatch):
-    """quantized_model_init on meta, fully_shard on an HSDP (dp_replicate, dp_shard) mesh, then
-    reset_parameters: TE asks the 2-D mesh for dim "shard" and fails; with the fix the current-
-    scaling weight quantizer gets the dp_shard group."""
-    import transformer_engine.pytorch as te
-    from torch.distributed.fsdp import fully_shard
-    from transformer_engine.common.recipe import Float8CurrentScaling
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-
-    import checkpoint.te_compat as te_compat
-
-    def build():
-        with te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling()):
-            lin = te.Linear(DIM, DIM, bias=False, params_dtype=torch.bfloat16, device="meta")
-        mesh = _mesh("dp_replicate", "dp_shard")
-        fully_shard(lin, mesh=mesh)
-        return lin, mesh
-
-    # TE's own method for this test (a CheckpointManager may have patched it already); the
-    # current one comes back at teardown.
-    current = vars(TransformerEngineBaseModule)["reset_parameters"]
-    monkeypatch.setattr(
-        TransformerEngineBaseModule,
-        "reset_parameters",
-        getattr(current, "_te_compat_original", current),
-    )
-    assert te_compat.reset_parameters_needs_shard_alias()
-    lin, _ = build()
-    with pytest.raises((KeyError, RuntimeError, ValueError)):
-        lin.reset_parameters()
-    assert te_compat.ensure_shard_amax_group("dp_shard") is True
-    assert te_compat.ensure_shard_amax_group("dp_shard") is False  # idempotent
-    lin, mesh = build()
-    lin.reset_parameters()
-    group = mesh.get_group("dp_shard")
-    groups = [
-        q.amax_reduction_group
-        for q in lin.quantizers["scaling_fwd"]
-        if q is not None and getattr(q, "with_amax_reduction", False)
-    ]
-    assert groups and all(g is group for g in groups)
-    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
-        y = lin(torch.randn(ROWS, DIM, device="cuda", dtype=torch.bfloat16))
-    assert torch.isfinite(y.float()).all()
-
-
-# -- 6. FusedAdam resharding across GPU counts: 2 -> 1 --------------------------------------
+# -- 5. FusedAdam resharding across GPU counts: 2 -> 1 --------------------------------------
 
 
 def _reshard_worker(rank, world_size, tmp, phase):

@@ -354,13 +354,22 @@ def test_amax_groups_on_quantizers_without_kernels(group, name, expected):
 def test_fused_adam_fp8_step_leaves_no_stale_transpose():
     """Delayed-scaling quantized weights: FusedAdam's fused FP8 kernel rewrites the bytes in
     place. Whatever transpose the weight then offers to the next backward (on Hopper dgrad
-    reads it) must be the transpose of the new bytes (checkpoint/te_compat.py, fix 6)."""
+    reads it) must be the transpose of the new bytes (compat/te.py). TE alone fails the probe."""
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    from checkpoint import te_compat
+    import compat
+    from compat.te import fused_adam_leaves_stale_fp8_transpose
 
-    te_compat.apply_all()
+    compat.apply_all()
+    assert not fused_adam_leaves_stale_fp8_transpose()  # with the fix
+    patched = FusedAdam.step
+    assert hasattr(patched, "__wrapped__"), "TE 2.20.2 has the gap: the fix must be applied"
+    FusedAdam.step = patched.__wrapped__
+    try:
+        assert fused_adam_leaves_stale_fp8_transpose()  # TE's own step leaves it stale
+    finally:
+        FusedAdam.step = patched
     recipe = build_recipe(load_recipe("recipe=fp8_delayed", "recipe.quantized_init=true"), 1)
     with recipe.quantized_init_context():
         layer = te.Linear(DIM, DIM, bias=False, params_dtype=torch.bfloat16, device="cuda")

@@ -215,7 +215,7 @@ def test_quantized_init_fp8_cs_trains():
     cfg = cfg_for(False)
     recipe = build_recipe(RecipeConfig(name="fp8_cs", quantized_init=True), cfg.n_layers)
     with torch.device("meta"), recipe.quantized_init_context():
-        model = build_model(cfg, "te", bf16_layers=tuple(sorted(recipe.bf16_layer_ids)))
+        model = build_model(cfg, "te", recipe=recipe)
     model.to_empty(device="cuda")
     model.reset_buffers()
     init_weights(model, cfg, 0)
@@ -251,7 +251,7 @@ def test_quantized_init_fp8_cs_trains():
     losses = {"fp8": [], "ref": []}
     before = optimizer.state[params[qkv_names[0]]]["master_param"].clone()
     for _ in range(5):
-        with torch.autocast("cuda", dtype=torch.bfloat16), recipe.autocast():
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # the model enters recipe.autocast()
             loss = loss_of(model(tokens), targets, v)
         loss.backward()
         clip_grad_norm(model.parameters(), opt_cfg.grad_clip)
@@ -280,59 +280,65 @@ def test_quantized_init_fp8_cs_trains():
 
 
 def test_bf16_layers_and_fp8_context(monkeypatch):
-    from model import te_llama
+    """The model asks its recipe for each block's context (the recipe decides which blocks
+    run unquantized); with a bf16 recipe the output equals the plain bf16 forward."""
     from model.te_llama import TELlama
+    from recipes import build_recipe
+    from recipes.config import RecipeConfig
 
     cfg = cfg_for(False)
-    model = TELlama(cfg, device="cuda", bf16_layers=(0, -1))
-    assert model.bf16_layer_ids == (0, cfg.n_layers - 1)
+    recipe = build_recipe(RecipeConfig(name="fp8_cs", bf16_layers=[0, -1]), cfg.n_layers)
+    model = TELlama(cfg, device="cuda", recipe=recipe)
+    assert [recipe.is_bf16_layer(i) for i in range(cfg.n_layers)] == [True, False, False, True]
     init_weights(model, cfg, 0)
     calls = []
 
-    def record(quantized: bool):
-        calls.append(quantized)
+    def record(layer_index: int):
+        calls.append(layer_index)
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
     tokens, _ = batch(cfg)
     with torch.no_grad():
         with monkeypatch.context() as m:
-            m.setattr(te_llama, "block_fp8_context", record)
+            m.setattr(recipe, "layer_autocast", record)
+            m.setattr(recipe, "autocast", lambda: torch.autocast("cuda", dtype=torch.bfloat16))
             out = model(tokens)
         base = bf16(model, tokens)
-    # One call per block (True unless listed in bf16_layers), then one for norm + head.
-    assert calls == [False, True, True, False, False]
+    # One call per block, in order.
+    assert calls == [0, 1, 2, 3]
     assert max_diff(out, base) < 1e-3
 
 
 def test_bad_bf16_layer_is_one_clear_line():
-    from config import ConfigError
-    from model.te_llama import TELlama
+    from errors import ConfigError
+    from recipes import build_recipe
+    from recipes.config import RecipeConfig
 
     with pytest.raises(
         ConfigError, match=r"recipe.bf16_layers=\[4\] has index 4 outside model.n_layers=4"
     ):
-        TELlama(cfg_for(False), device="meta", bf16_layers=(4,))
+        build_recipe(RecipeConfig(name="fp8_cs", bf16_layers=[4]), cfg_for(False).n_layers)
 
 
 def test_bf16_layers_run_unquantized_inside_fp8_autocast():
-    import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import Float8CurrentScaling
-
     from model.te_llama import TELlama
+    from recipes import build_recipe
+    from recipes.config import RecipeConfig
 
     cfg = cfg_for(False)
     tokens, targets = batch(cfg)
-    recipe = Float8CurrentScaling()
     out = {}
-    for name, layers in (("none", ()), ("ends", (0, -1)), ("all", tuple(range(cfg.n_layers)))):
-        model = TELlama(cfg, device="cuda", bf16_layers=layers)
+    for name, layers in (("none", []), ("ends", [0, -1]), ("all", list(range(cfg.n_layers)))):
+        recipe = build_recipe(RecipeConfig(name="fp8_cs", bf16_layers=layers), cfg.n_layers)
+        model = TELlama(cfg, device="cuda", recipe=recipe)  # enters the recipe's FP8 autocast
         init_weights(model, cfg, 0)
-        with te.autocast(enabled=True, recipe=recipe):
-            out[name] = bf16(model, tokens)
+        out[name] = bf16(model, tokens)
         loss_of(out[name], targets, cfg.vocab_size).backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters()), name
+    plain_model = TELlama(cfg, device="cuda")  # the bf16 recipe: no FP8 anywhere
+    init_weights(plain_model, cfg, 0)
     with torch.no_grad():
-        plain = bf16(model, tokens)
+        plain = bf16(plain_model, tokens)
     d_all, d_ends, d_none = (max_diff(out[k], plain) for k in ("all", "ends", "none"))
     print(
         f"\nfp8_cs vs bf16 logits max|diff|: all blocks bf16 {d_all:.2e}, "

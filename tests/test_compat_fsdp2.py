@@ -1,4 +1,4 @@
-"""FSDP2 with weights that all-gather data + block scales (checkpoint/te_compat.py section 8).
+"""FSDP2 with weights that all-gather data + block scales (compat/fsdp2.py).
 
 TE's block-scaled tensors cannot run here, so the FSDP2 tests use a small stand-in with the
 same all-gather contract: row-wise data plus a compact scale tensor with one column per block
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.testing._internal.two_tensor import TwoTensor
 
-from checkpoint import te_compat
+from compat import fsdp2
 from tests.distributed import run_distributed
 
 BLOCK, PAD = 2, 4
@@ -94,12 +94,12 @@ def _dim1_worker(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     # 3 blocks per shard (scale padded 3 -> 4); the full weight has 3 * world blocks.
     rows, cols = 4, 3 * BLOCK * world_size
-    assert te_compat.fsdp_dim1_needs_regroup()
+    assert fsdp2.dim1_copy_out_views_every_output()
     model, full = _sharded_model(mesh, rows, cols, dim=1)
     with pytest.raises(RuntimeError, match="invalid for input of size"):
         _forward_twice(model, full, cols)  # torch views the scales in the data's shard shape
 
-    assert te_compat.enable_dim1_block_gather(BlockScaled, lambda t: (BLOCK, PAD))
+    assert fsdp2.enable_dim1_block_gather(BlockScaled, lambda t: (BLOCK, PAD))
     model, full = _sharded_model(mesh, rows, cols, dim=1)
     _forward_twice(model, full, cols)
     # Dim-0 sharding of the same class goes through torch's own path, unchanged.
@@ -118,12 +118,12 @@ def _one_rank_worker(rank, world_size):
     # HSDP with one rank per shard group: what ddp, tp and hsdp_tp 2x1x2 give FSDP2.
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
     rows, cols = 4, 4 * BLOCK
-    assert te_compat.fsdp_one_rank_drops_extra_inputs()
+    assert fsdp2.one_rank_drops_extra_inputs()
     model, full = _sharded_model(mesh, rows, cols, dim=0)
     with pytest.raises(ValueError, match="not enough values to unpack"):
         _forward_twice(model, full, cols)
 
-    assert te_compat.ensure_one_rank_keeps_all_inputs()
+    assert fsdp2.ensure_one_rank_keeps_all_inputs()
     model, full = _sharded_model(mesh, rows, cols, dim=0)
     _forward_twice(model, full, cols)
 
@@ -144,7 +144,7 @@ def test_regroup_dim1_blocks_matches_the_unsharded_layout(world, blocks, rows):
     scale_shards = [_compact_scales(s) for s in per_element.chunk(world, dim=1)]
     gathered = torch.cat(shards, dim=0)  # dim-0 order: (world * rows, cols / world)
     gathered_scales = torch.cat(scale_shards, dim=0)
-    full, full_scale = te_compat.regroup_dim1_blocks(gathered, gathered_scales, world, BLOCK, PAD)
+    full, full_scale = fsdp2.regroup_dim1_blocks(gathered, gathered_scales, world, BLOCK, PAD)
     assert torch.equal(full, data)
     want = _compact_scales(per_element)
     want[want == -1] = 0
@@ -152,4 +152,4 @@ def test_regroup_dim1_blocks_matches_the_unsharded_layout(world, blocks, rows):
     assert full.data_ptr() == gathered.data_ptr()  # written over the buffers FSDP2 frees
     assert full_scale.data_ptr() == gathered_scales.data_ptr()
     with pytest.raises(ValueError, match="not a multiple of the scale block"):
-        te_compat.regroup_dim1_blocks(torch.zeros(world * rows, 3), gathered_scales, world, 2, PAD)
+        fsdp2.regroup_dim1_blocks(torch.zeros(world * rows, 3), gathered_scales, world, 2, PAD)

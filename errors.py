@@ -1,0 +1,10 @@
+"""The one exception type for bad input. Imports nothing, so every module can raise it.
+
+A `ConfigError` is a configuration (or input path, or checkpoint) the run cannot use. Its
+message is one line: the field, the problem, the fix. `train.py` prints it as `error: ...`
+on rank 0 and exits with status 2, before any expensive work where the check allows.
+"""
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot use. The message is one line: field, problem, fix."""
