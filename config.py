@@ -47,6 +47,9 @@ class TrainConfig:
     device: str = "auto"
     #: Peak dense bf16 TFLOP/s of one device for MFU; null = look up by GPU name (none on CPU).
     peak_tflops: float | None = None
+    #: Steps to record with torch.profiler (a contiguous range, e.g. [10,11,12]); the trace
+    #: and a kernel table go to <run_dir>/profile/ (profiling.py). Empty: no profiling.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -144,6 +147,12 @@ def validate(cfg: Config) -> None:
         f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)",
     )
     _require(t.log_every > 0, f"train.log_every={t.log_every} must be > 0")
+    steps = sorted(t.profile_steps)
+    _require(
+        not steps or (steps[0] >= 1 and steps == list(range(steps[0], steps[-1] + 1))),
+        f"train.profile_steps={list(t.profile_steps)} must be consecutive steps >= 1, "
+        "e.g. [10,11,12]",
+    )
     _require(o.name == "adamw", f"optim.name={o.name!r} is not supported; use adamw")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")

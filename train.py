@@ -36,6 +36,7 @@ from model.flops import flops_per_token, peak_tflops
 from model.memory import parameter_storage
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from parallel import ParallelDims, parallelize
+from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_recipe, check_recipe_layout
 
 register_configs()
@@ -260,9 +261,11 @@ def run(cfg: Config) -> int:
     # The compute dtype: bf16 on GPU (TE's quantized GEMMs come from the recipe, inside the
     # model); fp32 on CPU.
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
     t_last, step_last = time.perf_counter(), start_step
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
+        profiler.begin(step)
         batch = loader.next_batch().to(device, non_blocking=True)
         loss, grad_norm = train_step(
             model,
@@ -275,6 +278,8 @@ def run(cfg: Config) -> int:
             autocast=autocast,
         )
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
+        if (trace := profiler.end(step)) is not None:
+            logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
 
         stopping = False
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:

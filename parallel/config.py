@@ -22,5 +22,8 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"
     #: TE tensor parallel: sequence-parallel norms/activations between the TP regions.
     sequence_parallel: bool = True
-    #: Recompute each transformer block in backward.
-    activation_checkpointing: bool = False
+    #: Recompute activations in backward (parallel/ac.py): none | full (whole blocks) | mlp
+    #: (each block's MLP only, the larger share of its activations).
+    activation_checkpointing: str = "none"
+    #: Apply activation_checkpointing to every N-th block only (1: all blocks).
+    activation_checkpointing_every: int = 1

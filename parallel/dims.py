@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from errors import ConfigError
 from model.config import ModelConfig
+from parallel.ac import check_mode
 from parallel.config import ParallelConfig
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
@@ -93,6 +94,7 @@ class ParallelDims:
                 f"parallel.dp_replicate={degrees['dp_replicate']} with parallel={cfg.name}: "
                 "HSDP needs dp_replicate > 1; raise it or use parallel=fsdp"
             )
+        check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)
         dtype_of(cfg.param_dtype, "param_dtype")
         dtype_of(cfg.reduce_dtype, "reduce_dtype")
         return degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"]

@@ -7,8 +7,8 @@ Order (each step needs the previous one):
    its weights are wrapped as DTensors here (parallel/te_tp.py). Both give the same
    placements, so both save the same checkpoint. Must precede FSDP2: fully_shard reads the
    tp placements to shard further on the data-parallel dims.
-2. Activation checkpointing (optional) per block, before fully_shard so the recomputed
-   forward runs inside the block's FSDP unit.
+2. Activation checkpointing (parallel/ac.py: none, full blocks or their MLPs, every N-th
+   block), before fully_shard so the recomputed forward runs inside the block's FSDP unit.
 3. FSDP2 units (parallel/fsdp.py): blocks, the untied embedding, the root.
 
 Amax-reduction groups of per-tensor-scaled weights are not set here: the quantized weights
@@ -26,17 +26,20 @@ from __future__ import annotations
 
 from torch import nn
 
+from parallel.ac import apply_activation_checkpointing
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    # The composable API keeps parameter names unchanged (no wrapper module in the FQN).
-    from torch.distributed._composable import checkpoint
-
-    for block in model.layers:
-        checkpoint(block)
+def _checkpoint_activations(model: nn.Module, pcfg: ParallelConfig, impl: str) -> None:
+    apply_activation_checkpointing(
+        model,
+        pcfg.activation_checkpointing,
+        pcfg.activation_checkpointing_every,
+        impl=impl,
+        recipe=getattr(model, "recipe", None),  # the TE model's precision recipe
+    )
 
 
 def parallelize(
@@ -46,8 +49,7 @@ def parallelize(
         raise ValueError(f"parallelize: impl must be resolved to 'te' or 'torch', got {impl!r}")
     if dims.mesh is None:
         # One process without a process group: nothing to shard or split.
-        if pcfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        _checkpoint_activations(model, pcfg, impl)
         return model
     if dims.tp_enabled:
         if impl == "te":
@@ -63,7 +65,6 @@ def parallelize(
             from parallel.tp import apply_reference_tp
 
             apply_reference_tp(model, dims.tp_mesh)
-    if pcfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    _checkpoint_activations(model, pcfg, impl)
     apply_fsdp(model, dims, pcfg, mixed_precision=mixed_precision)
     return model

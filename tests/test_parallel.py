@@ -293,3 +293,69 @@ def test_dcp_without_block_planner_refuses_fc1(tmp_path):
     """Why the planners exist: torch's default planner cannot describe fc1's two-block shard."""
     with pytest.raises(AssertionError, match="overlapping chunks"):
         run_distributed(_dcp_save_plain, 2, TP2, str(tmp_path / "plain"))
+
+
+# ---- activation checkpointing (parallel/ac.py) ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode,every", [("full", 1), ("mlp", 1), ("full", 2), ("mlp", 3)])
+def test_activation_checkpointing_matches_no_checkpointing(mode, every):
+    """Same loss and bitwise the same gradients with and without recomputation (one process,
+    fp32); the checkpointed modules are the ones the mode and `every` name, and parameter
+    names do not change."""
+    from model.init import init_weights
+    from parallel.ac import apply_activation_checkpointing
+
+    cfg = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads(ac: bool):
+        model = Llama(cfg)
+        init_weights(model, cfg, 3)
+        names = []
+        if ac:
+            names = apply_activation_checkpointing(model, mode, every)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, names
+
+    loss, grads, _ = loss_and_grads(False)
+    ac_loss, ac_grads, names = loss_and_grads(True)
+    suffix = "" if mode == "full" else ".layernorm_mlp"
+    assert names == [f"layers.{i}{suffix}" for i in range(0, cfg.n_layers, every)]
+    assert torch.equal(loss, ac_loss)
+    assert ac_grads.keys() == grads.keys()
+    for n in grads:
+        assert torch.equal(ac_grads[n], grads[n]), n
+
+
+def test_activation_checkpointing_saves_memory_and_bad_mode_is_one_line():
+    """Fewer bytes saved for backward with recomputation (counted by saved-tensor hooks), and
+    a wrong mode fails in the config check with one line."""
+    from model.init import init_weights
+    from parallel.ac import apply_activation_checkpointing
+
+    cfg = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def saved_bytes(mode):
+        model = Llama(cfg)
+        init_weights(model, cfg, 3)
+        apply_activation_checkpointing(model, mode)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens[:, :-1]).sum().backward()
+        return total[0]
+
+    none, mlp, full = (saved_bytes(m) for m in ("none", "mlp", "full"))
+    assert full < mlp < none, (none, mlp, full)
+    pcfg = compose_config(["parallel.activation_checkpointing=true"]).parallel
+    fails(pcfg, 1, "parallel.activation_checkpointing=", "not one of none, full, mlp")
+    pcfg = compose_config(["parallel.activation_checkpointing_every=0"]).parallel
+    fails(pcfg, 1, "parallel.activation_checkpointing_every=0 must be >= 1")

@@ -380,7 +380,17 @@ CASES = {
     "fsdp2_tp2": (4, {"name": "fsdp_tp", "dp_shard": -1, "tp": 2}),
     "fsdp2_tp2_ac": (
         4,
-        {"name": "fsdp_tp", "dp_shard": -1, "tp": 2, "activation_checkpointing": True},
+        {"name": "fsdp_tp", "dp_shard": -1, "tp": 2, "activation_checkpointing": "full"},
+    ),
+    "fsdp2_tp2_ac_mlp_every2": (
+        4,
+        {
+            "name": "fsdp_tp",
+            "dp_shard": -1,
+            "tp": 2,
+            "activation_checkpointing": "mlp",
+            "activation_checkpointing_every": 2,
+        },
     ),
 }
 
