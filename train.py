@@ -22,7 +22,6 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 import compat
@@ -104,10 +103,10 @@ def build_parallel_model(
 
 
 def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
-    """Mean cross entropy of the next token over the labels that are not -100. The padding
-    columns of the vocabulary are never targets and take no probability."""
-    logits = model(inputs)[..., : model.cfg.vocab_size].float()
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    """Mean cross entropy of the next token over the labels that are not -100, computed by the
+    model's head without materialising the logits (model/loss.py). The padding columns of the
+    vocabulary are never targets and take no probability."""
+    return model(inputs, labels=labels)
 
 
 def train_step(

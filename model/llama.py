@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.loss import fused_linear_cross_entropy
 from model.rope import apply_rope, rope_freqs
 
 
@@ -143,8 +144,26 @@ class Block(nn.Module):
         return x + self.layernorm_mlp(x)
 
 
+def output_head(model: nn.Module, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """The head of both implementations: logits (B, S, padded_vocab) without labels; with
+    labels, the mean next-token cross entropy over labels != -100, computed chunk by chunk
+    without materialising the logits (model/loss.py). Under tensor parallelism the head weight
+    is this rank's vocabulary rows and `model.head_tp_group` (set by parallel/tp.py) is the
+    group the loss's softmax normaliser is reduced over."""
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    if labels is None:
+        return F.linear(x, head)
+    return fused_linear_cross_entropy(
+        x, head, labels, vocab_size=model.cfg.vocab_size, tp_group=model.head_tp_group
+    )
+
+
 class Llama(nn.Module):
-    """Decoder-only Llama. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab)."""
+    """Decoder-only Llama. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab), or
+    forward(tokens, labels) -> mean next-token loss (see `output_head`)."""
+
+    #: The vocab-parallel group of the head, set by the tensor-parallel plan (parallel/tp.py).
+    head_tp_group = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -159,10 +178,8 @@ class Llama(nn.Module):
         """Recompute non-persistent buffers after meta-device construction + to_empty."""
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, self.freqs)
-        x = self.norm(x)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        return output_head(self, self.norm(x), labels)

@@ -1,4 +1,4 @@
-"""Cross-entropy of the output head without materialising the full logits (issue #13).
+"""Cross-entropy of the output head without materialising the full logits.
 
 The training loss used to be computed as
 

@@ -43,19 +43,19 @@ communication itself.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from torch import nn
 
 from model.config import ModelConfig
-from model.llama import Linear, RMSNorm
+from model.llama import Linear, RMSNorm, output_head
 from model.rope import rope_freqs
 from recipes.config import RecipeConfig
 from recipes.recipe import Recipe
 
 
 class TELlama(nn.Module):
-    """Decoder-only Llama on TE. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab).
+    """Decoder-only Llama on TE. forward(tokens (B, S) int64) -> logits (B, S, padded_vocab), or
+    forward(tokens, labels) -> mean next-token loss (model/llama.py `output_head`).
 
     recipe: the precision recipe (default: bf16, no quantization).
     tp_group / tp_size / sequence_parallel: TE's native tensor parallelism inside the blocks
@@ -64,6 +64,9 @@ class TELlama(nn.Module):
     device: None uses the current default device (so `with torch.device("meta"):` works);
     a CPU default becomes the current CUDA device, since TE modules live on CUDA.
     """
+
+    #: The vocab-parallel group of the head, set by the tensor-parallel plan (parallel/tp.py).
+    head_tp_group = None
 
     def __init__(
         self,
@@ -135,7 +138,7 @@ class TELlama(nn.Module):
         """Recompute non-persistent buffers after meta-device construction + to_empty."""
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks run inside the recipe's TE autocast (bf16_layers with quantization off);
         the embedding, final norm and head are plain modules and run in high precision."""
         x = self.embed(tokens)
@@ -149,7 +152,4 @@ class TELlama(nn.Module):
                     x = layer(x, rotary_pos_emb=freqs)
         if self.attn_input_format == "sbhd":
             x = x.transpose(0, 1).contiguous()
-        x = self.norm(x)
-        if self.lm_head is None:
-            return F.linear(x, self.embed.weight)
-        return self.lm_head(x)
+        return output_head(self, self.norm(x), labels)

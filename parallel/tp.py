@@ -311,8 +311,12 @@ def vocab_parallel_embedding(embed: nn.Embedding, group, *, sequence_dim: int | 
 def head_weight_local(model: nn.Module, group):
     """The output head (lm_head.weight, or embed.weight when tied) is read by the model's own
     forward, not by a module call, so its local view is installed for the whole root forward.
-    The vocab-parallel logits are all-gathered into full logits (a plain tensor)."""
+    Logits (a forward without labels) are vocab-parallel and all-gathered into full logits (a
+    plain tensor); with labels the model computes the loss from the local rows itself
+    (vocab-parallel cross entropy over `model.head_tp_group`, model/loss.py), so no logits are
+    ever gathered."""
     owner = model.embed if getattr(model, "lm_head", None) is None else model.lm_head
+    model.head_tp_group = group
     stack: list[nn.Parameter] = []
 
     def pre(mod, args, kwargs):
@@ -322,7 +326,7 @@ def head_weight_local(model: nn.Module, group):
 
     def post(mod, args, kwargs, out):
         owner._parameters["weight"] = stack.pop()
-        return gather_from_tp(out, -1, group)
+        return out if out.ndim == 0 else gather_from_tp(out, -1, group)
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(post, with_kwargs=True, always_call=False)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from model.config import ModelConfig
 from model.init import full_init_value, init_weights
-from model.llama import Linear, Llama, RMSNorm, rms_norm
+from model.llama import Linear, Llama, RMSNorm, output_head, rms_norm
 from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
@@ -275,6 +275,8 @@ class _MockTransformerLayer(torch.nn.Module):
 class MockTELlama(torch.nn.Module):
     """te_llama.TELlama's structure and forward with TE-like tensor-parallel blocks."""
 
+    head_tp_group = None
+
     def __init__(self, cfg, *, tp_group, sequence_parallel):
         super().__init__()
         tp = torch.distributed.get_world_size(tp_group)
@@ -292,7 +294,7 @@ class MockTELlama(torch.nn.Module):
     def reset_buffers(self):
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens):
+    def forward(self, tokens, labels=None):
         x = self.embed(tokens)
         seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         freqs = self.freqs[:seq]
@@ -302,10 +304,7 @@ class MockTELlama(torch.nn.Module):
             x = layer(x, rotary_pos_emb=freqs)
         if self.sequence_parallel:
             x = x.transpose(0, 1).contiguous()
-        x = self.norm(x)
-        if self.lm_head is None:
-            return F.linear(x, self.embed.weight)
-        return self.lm_head(x)
+        return output_head(self, self.norm(x), labels)
 
 
 def check_global_layout(model, cfg):
