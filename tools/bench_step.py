@@ -1,0 +1,180 @@
+"""Training-step benchmark: tokens/s per GPU, MFU and peak memory for a list of cases.
+
+    python tools/bench_step.py                                        # the default 1-GPU cases
+    python tools/bench_step.py --case llama3_1b:fsdp:bf16:none:4 --case llama3_1b:fsdp:fp8_cs:full:4
+    torchrun is started for you with --nproc 2:
+    python tools/bench_step.py --nproc 2 --case llama3_8b:fsdp:bf16:none:1 --case llama3_8b:fsdp:fp8_cs:mlp:1
+    python tools/bench_step.py --case tiny:fsdp:bf16:none:16 --seq 256 --steps 6 --warmup 2   # CPU
+
+A case is `model:layout:recipe:activation_checkpointing:micro_batch`, where recipe may end in
+`+q` (recipe.quantized_init=true) and activation_checkpointing is none, full or mlp,
+optionally with `/N` for every N-th block (`full/2`). Each case runs `train.py` in its own
+process (or torchrun job) on the embedded data with `checkpoint=none`, global batch = micro
+batch x data-parallel size (no accumulation), `--steps` steps logged every step; the figures
+are the medians over the steps after `--warmup` (tokens/s per device and MFU as train.py
+reports them: MFU against the GPU's dense bf16 peak, 989 TFLOP/s on H100/H200), and the peak
+allocated memory of the run. Prints one markdown table last; `--json` appends one record
+per case. `--repo DIR` runs another checkout's train.py (a before/after comparison in one
+session); `--profile-steps 10-11` records those steps with torch.profiler (train.py's
+`train.profile_steps`) and copies the kernel table next to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEFAULT_CASES = [
+    "llama3_1b:fsdp:bf16:none:4",
+    "llama3_1b:fsdp:fp8_delayed:none:4",
+    "llama3_1b:fsdp:fp8_cs:none:4",
+    "llama3_1b:fsdp:fp8_cs+q:none:4",
+    "llama3_1b:fsdp:fp8_block:none:4",
+]
+
+
+def parse_case(text: str) -> dict:
+    try:
+        model, layout, recipe, ac, mbs = text.split(":")
+        mode, _, every = ac.partition("/")
+        return dict(
+            case=text,
+            model=model,
+            layout=layout,
+            recipe=recipe.removesuffix("+q"),
+            quantized_init=recipe.endswith("+q"),
+            ac=mode,
+            ac_every=int(every or 1),
+            mbs=int(mbs),
+        )
+    except ValueError:
+        raise SystemExit(
+            f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp[/N]:micro_batch"
+        ) from None
+
+
+def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
+    out = [
+        f"model={case['model']}",
+        f"parallel={case['layout']}",
+        f"recipe={case['recipe']}",
+        f"train.micro_batch_size={case['mbs']}",
+        f"train.global_batch_size={case['mbs'] * nproc}",
+        f"data.seq_len={args.seq}",
+        f"train.steps={args.steps}",
+        "train.log_every=1",
+        "checkpoint=none",
+        "logger=default",
+        f"run.root={run_root}",
+        f"run.name=bench{case['index']}",
+    ]
+    if case["quantized_init"]:
+        out.append("recipe.quantized_init=true")
+    if case["ac"] != "none":  # older checkouts have no such field: leave it out when off
+        out.append(f"parallel.activation_checkpointing={case['ac']}")
+        out.append(f"parallel.activation_checkpointing_every={case['ac_every']}")
+    if case["layout"] in ("tp", "fsdp_tp", "hsdp_tp"):
+        out.append(f"parallel.tp={min(nproc, 2)}")
+    if args.profile_steps:
+        first, _, last = args.profile_steps.partition("-")
+        steps = list(range(int(first), int(last or first) + 1))
+        out.append(f"train.profile_steps=[{','.join(map(str, steps))}]")
+    return out + list(args.overrides)
+
+
+def run_case(case: dict, args, run_root: str) -> dict:
+    repo = Path(args.repo).resolve() if args.repo else ROOT
+    cmd = [sys.executable]
+    if args.nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    cmd += ["train.py", *overrides(case, args.nproc, args, run_root)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=repo, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
+    wall = time.perf_counter() - t0
+    run_dir = Path(run_root) / f"bench{case['index']}"
+    records = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steady = [r for r in records if r["step"] > args.warmup]
+    result = dict(case, nproc=args.nproc, seq=args.seq, wall_s=round(wall, 1), repo=str(repo))
+    if proc.returncode != 0 or not steady:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        result["error"] = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1:] or "?")
+        result["log_tail"] = "\n".join(lines[-40:])
+        return result
+    result.update(
+        tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_device"] for r in steady),
+        mfu=statistics.median(r["mfu"] for r in steady) if steady[0].get("mfu") else None,
+        peak_gib=max(r["mem_gb"] for r in records),
+        loss_last=records[-1]["loss"],
+        steps_measured=len(steady),
+    )
+    for prof in (run_dir / "profile").glob("*.txt") if args.json else []:
+        dest = Path(args.json).with_name(f"profile_case{case['index']}_{prof.name}")
+        shutil.copy(prof, dest)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    head = "| model | layout | GPUs | recipe | act. ckpt | mbs | tokens/s/GPU | MFU | peak GiB |"
+    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        recipe = r["recipe"] + (" +q" if r["quantized_init"] else "")
+        ac = r["ac"] + (f" /{r['ac_every']}" if r["ac_every"] > 1 else "")
+        lead = f"| {r['model']} | {r['layout']} | {r['nproc']} | {recipe} | {ac} | {r['mbs']} |"
+        if "error" in r:
+            rows.append(f"{lead} FAILED: {str(r['error'])[:120]} | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        rows.append(f"{lead} {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--case", action="append", help="model:layout:recipe[+q]:ac[/N]:mbs")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--repo", help="run another checkout's train.py (before/after comparisons)")
+    p.add_argument("--profile-steps", help="e.g. 10-11: torch.profiler over those steps")
+    p.add_argument("--json", help="append one JSON record per case to this file")
+    p.add_argument("--label", default="", help="a name for these cases in the JSON records")
+    p.add_argument("overrides", nargs="*", help="extra train.py overrides for every case")
+    args = p.parse_args(argv)
+    cases = [parse_case(c) for c in (args.case or DEFAULT_CASES)]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as run_root:
+        for i, case in enumerate(cases):
+            case["index"] = i
+            r = run_case(case, args, run_root)
+            r["label"] = args.label
+            results.append(r)
+            summary = r.get("error") or f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
+            print(f"[{i + 1}/{len(cases)}] {case['case']}: {summary} ({r['wall_s']} s)", flush=True)
+            if "error" in r:
+                print(r["log_tail"], flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({k: v for k, v in r.items() if k != "log_tail"}) + "\n")
+    print()
+    print(table(results))
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
