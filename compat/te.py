@@ -88,6 +88,7 @@ def fused_adam_leaves_stale_fp8_transpose() -> bool:
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.optimizers import FusedAdam
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+    from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
     if not te.is_fp8_available():
         return False
@@ -101,6 +102,12 @@ def fused_adam_leaves_stale_fp8_transpose() -> bool:
     )
     gen = torch.Generator(device=device).manual_seed(0)
     weight = torch.nn.Parameter(quantizer(torch.randn(32, 32, device=device, generator=gen)))
+    # What a backward leaves behind on GPUs whose FP8 GEMMs need it: the cached transpose.
+    weight.update_usage(rowwise_usage=True, columnwise_usage=True)
+    if weight._transpose is None or weight._transpose_invalid:
+        if not is_non_tn_fp8_gemm_supported():
+            raise RuntimeError("the probe's Float8Tensor has no cached transpose")
+        return False  # this GPU's FP8 GEMMs never read a cached transpose
     weight.grad = torch.randn(32, 32, device=device, generator=gen, dtype=weight.dtype)
     optimizer = FusedAdam([weight], lr=0.5, master_weights=True, master_weight_dtype=torch.float32)
     before = weight._data.clone()

@@ -302,7 +302,8 @@ def test_bf16_layers_and_fp8_context(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(recipe, "layer_autocast", record)
             m.setattr(recipe, "autocast", lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-            out = model(tokens)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(tokens)
         base = bf16(model, tokens)
     # One call per block, in order.
     assert calls == [0, 1, 2, 3]
