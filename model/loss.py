@@ -22,6 +22,8 @@ This module imports nothing beyond torch: it runs (and is tested) on CPU and on 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -71,6 +73,65 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_stats(logits, row_max, idx, owned):
+    """Per row of a logits chunk: the fp32 sum of exp(logit - row_max), and the target's logit
+    minus row_max (0 where this rank does not own the target). One fp32 chunk at a time."""
+    target = logits.gather(1, idx).squeeze(1).float() - row_max
+    exps = torch.sub(logits, row_max.unsqueeze(1))  # a new fp32 block (row_max is fp32)
+    return exps.exp_().sum(dim=1), target.masked_fill(~owned, 0.0)
+
+
+def _chunk_grad(logits, row_max, sum_exp, idx, owned, row_scale):
+    """(softmax - onehot(target)) * row_scale in the logits' dtype: the gradient of the mean
+    loss w.r.t. a logits chunk (row_scale is 1 / n_valid on valid tokens, else 0). One fp32
+    chunk plus the result."""
+    grad = torch.sub(logits, row_max.unsqueeze(1)).exp_().div_(sum_exp.unsqueeze(1))
+    grad.scatter_add_(1, idx, owned.float().neg().unsqueeze(1))
+    return grad.mul_(row_scale.unsqueeze(1)).to(logits.dtype)
+
+
+def _chunk_grad_fusable(logits, row_max, sum_exp, idx, owned, row_scale):
+    """`_chunk_grad` written as one pointwise expression (the onehot as a comparison), which
+    torch.compile turns into a single kernel that reads the logits once."""
+    x = logits.float()
+    softmax = torch.exp(x - row_max.unsqueeze(1)) / sum_exp.unsqueeze(1)
+    columns = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    onehot = ((columns == idx) & owned.unsqueeze(1)).float()
+    return ((softmax - onehot) * row_scale.unsqueeze(1)).to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernels(logits: torch.Tensor):
+    """(stats, grad) functions for a chunk. On CUDA compiled with torch.compile, so each reads
+    the chunk's logits once in one fused kernel instead of several elementwise passes over
+    fp32 copies (several percent of a llama3_1b step); eager elsewhere, or with
+    TE_LLAMA_COMPILE_LOSS=0. tests/gpu/test_loss_gpu.py checks both against the reference."""
+    if not logits.is_cuda or os.environ.get("TE_LLAMA_COMPILE_LOSS", "1") == "0":
+        return _chunk_stats, _chunk_grad
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(_chunk_stats, dynamic=False, fullgraph=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_fusable, dynamic=False, fullgraph=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, the product computed in a's dtype. On CUDA with bf16/fp16 operands
+    the GEMM accumulates into the fp32 buffer directly (addmm with out_dtype), which saves
+    writing the product and adding it in a second pass; elsewhere the two-step form."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _COMPILED.get("addmm_out_dtype", True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            _COMPILED["addmm_out_dtype"] = False  # this torch has no such kernel: fall back
+    acc.add_(torch.mm(a, b))
 
 
 def _forward(
@@ -158,33 +219,23 @@ def _forward(
         row_max = logits.amax(dim=1).float()
         if tp_group is not None:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-        target = logits.gather(1, idx).squeeze(1).float().sub_(row_max)
-        target.masked_fill_(~owned, 0.0)
-        # exp(logits - max) in fp32: in place when the logits are fp32, otherwise one fused
-        # upcast-and-subtract pass into a new fp32 block (a (c, 1) fp32 operand promotes).
-        if logits.dtype == torch.float32:
-            exps = logits.sub_(row_max.unsqueeze(1))
-        else:
-            exps = torch.sub(logits, row_max.unsqueeze(1))
-        exps.exp_()
-        stats = torch.stack([exps.sum(dim=1), target])  # (2, c): sum of exp, target logit
+        sum_exp, target = _kernels(logits)[0](logits, row_max, idx, owned)
         if tp_group is not None:
+            stats = torch.stack([sum_exp, target])  # (2, c): sum of exp, target logit
             dist.all_reduce(stats, group=tp_group)
-        sum_exp, target = stats[0], stats[1]
+            sum_exp, target = stats[0], stats[1]
         # -log softmax[target] = log(sum exp(x - max)) - (x_target - max); 0 for ignored tokens.
         token_loss = sum_exp.log() - target
         loss_sum += token_loss.masked_fill_(~valid_c, 0.0).sum()
         if not need_grad:
-            del logits, exps
+            del logits
             continue
 
         # d(mean loss)/d logits = (softmax - onehot(target)) / n_valid on valid tokens, else 0,
-        # written as (exp - onehot * sum_exp) * (valid / (n_valid * sum_exp)).
-        exps.scatter_add_(1, idx, (owned.float() * sum_exp).neg_().unsqueeze(1))
-        row_scale = (valid_c.float() * inv_n / sum_exp).unsqueeze(1)
-        # Cast to the matmul dtype, as autograd of `.float()` would, into the logits' storage.
-        grad = torch.mul(exps, row_scale, out=logits)
-        del exps
+        # cast to the matmul dtype as autograd of `.float()` would.
+        row_scale = valid_c.float() * inv_n
+        grad = _kernels(logits)[1](logits, row_max, sum_exp, idx, owned, row_scale)
+        del logits
         if need_dhidden:
             if dhidden.dtype == mm_dtype:
                 torch.mm(grad, w, out=dhidden[start:end])
@@ -193,11 +244,8 @@ def _forward(
         if need_dweight:
             # Each chunk's product in the matmul dtype (as the reference's single product),
             # accumulated over the chunks in fp32.
-            if mm_dtype == torch.float32:
-                dweight[:real].addmm_(grad.t(), h_c)
-            else:
-                dweight[:real].add_(torch.mm(grad.t(), h_c))
-        del grad, logits
+            _accumulate_product(dweight[:real], grad.t(), h_c)
+        del grad
 
     loss = loss_sum * inv_n
     if dhidden is not None:

@@ -48,8 +48,12 @@ def apply_fsdp(
     common = {"mesh": mesh, "mp_policy": policy}
     if dims.tp_enabled:
         common["shard_placement_fn"] = fsdp_shard_placement
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=pcfg.reshard_after_forward, **common)
+    last = len(model.layers) - 1
+    for i, block in enumerate(model.layers):
+        # The last block's backward runs right after its forward: resharding it in between
+        # would only gather the same weights again.
+        reshard = pcfg.reshard_after_forward and i != last
+        fully_shard(block, reshard_after_forward=reshard, **common)
     if getattr(model, "lm_head", None) is not None:
         fully_shard(model.embed, reshard_after_forward=pcfg.reshard_after_forward, **common)
     # The root is needed again right at the start of backward: never reshard it after forward.

@@ -405,3 +405,23 @@ def _tp_check(rank, world, bf16):
 @pytest.mark.parametrize("world,bf16", [(2, False), (2, True), (4, False)])
 def test_vocab_parallel_matches_reference(world, bf16):
     run_distributed(_tp_check, world, bf16)
+
+
+def test_fusable_gradient_form_equals_the_in_place_form():
+    """The expression torch.compile fuses on CUDA (`_chunk_grad_fusable`) computes the same
+    gradient as the in-place form used elsewhere (`_chunk_grad`), here both eager."""
+    from model.loss import _chunk_grad, _chunk_grad_fusable, _chunk_stats
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(37, 53, generator=g) * 3).to(dtype)
+        idx = torch.randint(0, 53, (37, 1), generator=g)
+        owned = torch.rand(37, generator=g) > 0.3
+        row_max = logits.amax(dim=1).float()
+        sum_exp, _ = _chunk_stats(logits, row_max, idx, owned)
+        scale = (torch.rand(37, generator=g) > 0.2).float() / 29
+        a = _chunk_grad(logits, row_max, sum_exp, idx, owned, scale)
+        b = _chunk_grad_fusable(logits, row_max, sum_exp, idx, owned, scale)
+        assert a.dtype == b.dtype == dtype
+        tol = 1e-7 if dtype == torch.float32 else 2**-8 * a.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= tol

@@ -304,7 +304,9 @@ def test_bf16_layers_and_fp8_context(monkeypatch):
             m.setattr(recipe, "autocast", lambda: torch.autocast("cuda", dtype=torch.bfloat16))
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(tokens)
-        base = bf16(model, tokens)
+        plain = TELlama(cfg, device="cuda")  # the bf16 recipe, same weights
+        init_weights(plain, cfg, 0)
+        base = bf16(plain, tokens)
     # One call per block, in order.
     assert calls == [0, 1, 2, 3]
     assert max_diff(out, base) < 1e-3
