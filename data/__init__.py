@@ -5,7 +5,9 @@
     x = loader.next_batch()          # (G // dp, seq_len + 1); inputs x[:, :-1], labels x[:, 1:]
     loader.state_dict() / loader.load_state_dict(d)   # the global position, dp-size free
 
-See data/loader.py for the sample-order contract that makes multi-rank runs and resumes exact.
+See data/loader.py for the sample-order contract that makes multi-rank runs and resumes exact,
+and data/token_cache.py for the prepared, memory-mapped token files of data=hf
+(tools/prepare_data.py).
 """
 
 from data.config import DataConfig

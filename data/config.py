@@ -28,5 +28,10 @@ class DataConfig:
     shuffle: bool = True
     #: hf streaming: documents in the shuffle buffer (streams cannot be shuffled globally).
     shuffle_buffer: int = 10_000
-    #: hf: datasets cache (downloads, tokenized data); null = the Hugging Face default.
+    #: hf: datasets cache (downloads) and, under <cache_dir>/te-llama-tokens, the prepared
+    #: token cache (tools/prepare_data.py); null = the Hugging Face datasets cache
+    #: ($HF_DATASETS_CACHE, by default ~/.cache/huggingface/datasets).
     cache_dir: str | None = None
+    #: hf non-streaming: processes that tokenize when preparing the token cache (datasets.map
+    #: num_proc). The result does not depend on it.
+    num_proc: int = 1

@@ -6,9 +6,12 @@ samples [t*G, (t+1)*G) of it (G = train.global_batch_size) and data-parallel ran
 and the state (global samples consumed, epoch) means the same thing at every dp size, so a
 checkpoint saved at dp=4 resumes at dp=2 with no sample skipped or repeated.
 
-Map-style (embedded, hf non-streaming): every rank packs the same token array; epoch e is a
-permutation of all samples seeded by (data.shuffle_seed, e). A global batch may straddle two
-epochs: the order is simply the concatenation of the epochs' permutations.
+Map-style (embedded, hf non-streaming): every rank reads the same packed token array; epoch e
+is a permutation of all samples seeded by (data.shuffle_seed, e). A global batch may straddle
+two epochs: the order is simply the concatenation of the epochs' permutations. data=embedded
+(a few MB, built in about a second) is packed in memory by every rank; data=hf is tokenized
+once into the token cache (data/token_cache.py, tools/prepare_data.py) and memory-mapped
+read-only, so a rank's private memory does not grow with the corpus.
 
 Streaming (hf, data.streaming=true): the order is the stream order (documents optionally
 buffer-shuffled with data.shuffle_seed, reshuffled per epoch through `set_epoch`). Every rank
@@ -30,6 +33,7 @@ import torch
 from data.config import DataConfig
 from data.packing import pack_dataset, stream_samples
 from data.sources import check_text_field, embedded_dataset, hf_dataset
+from data.token_cache import load_tokens
 from data.tokenizer import config_error
 
 
@@ -259,7 +263,9 @@ def build_loader(
     check_text_field(ds, cfg)
     hint = "add data (data.path)"
     if not cfg.streaming:
-        tokens = pack_dataset(ds, tok, cfg.text_field, desc="tokenizing")
+        # Tokenized once into the token cache (by whichever process gets its lock; the others
+        # wait) and memory-mapped: a batch copies only its rows.
+        tokens, _, _ = load_tokens(cfg, ds, tok)
         return PackedLoader(
             tokens,
             shuffle=cfg.shuffle,

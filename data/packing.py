@@ -17,7 +17,7 @@ import numpy as np
 from data.tokenizer import documents_to_ids, token_dtype
 
 # Bump when the token stream layout changes, so cached tokenizations are not reused.
-_PACKING_VERSION = "docs-bos-eos-v1"
+PACKING_VERSION = "docs-bos-eos-v1"
 _TOKENIZE_BATCH = 1000
 
 
@@ -30,37 +30,74 @@ def _ids_feature(dtype: np.dtype):
     return datasets.List(value) if hasattr(datasets, "List") else datasets.Sequence(value)
 
 
-def pack_dataset(ds: datasets.Dataset, tok, text_field: str, desc: str | None = None) -> np.ndarray:
-    """All documents of a map-style dataset as one flat token array (uint16 or uint32).
+def stream_key(ds: datasets.Dataset, tok, text_field: str) -> str:
+    """Identity of a dataset's packed token stream: dataset, tokenizer, dtype, field, layout.
 
-    Tokenization goes through `Dataset.map`, so for datasets backed by files the result is
-    cached next to them (keyed by the dataset's fingerprint, the tokenizer's vocabulary and
-    the packing layout); in-memory datasets are tokenized in memory. The flat array costs
-    2 or 4 bytes per token of host memory on every rank.
+    Names the tokenized Arrow cache of `pack_dataset` and the prepared token cache
+    (data/token_cache.py). The sample length is not part of it: samples are cut from the one
+    stream when they are read.
     """
     dtype = token_dtype(tok)
-    fingerprint = hashlib.sha256(
-        f"{ds._fingerprint}|{tok.fingerprint}|{dtype.name}|{text_field}|{_PACKING_VERSION}".encode()
+    return hashlib.sha256(
+        f"{ds._fingerprint}|{tok.fingerprint}|{dtype.name}|{text_field}|{PACKING_VERSION}".encode()
     ).hexdigest()[:32]
+
+
+def tokenize_dataset(
+    ds: datasets.Dataset,
+    tok,
+    text_field: str,
+    *,
+    desc: str | None = None,
+    num_proc: int | None = None,
+    cache_file_name: str | None = None,
+) -> datasets.Dataset:
+    """`Dataset.map` to one `ids` column: each document as [BOS] + tokens + [EOS].
+
+    Written to `cache_file_name` when given, else next to a file-backed dataset (keyed by
+    `stream_key`), else kept in memory. `num_proc` > 1 tokenizes contiguous shards in worker
+    processes; the shards are concatenated in order, so the result does not depend on it.
+    """
+    dtype = token_dtype(tok)
 
     def tokenize(batch):
         return {"ids": documents_to_ids(tok, _texts(batch, text_field), dtype)}
 
-    mapped = ds.map(
+    return ds.map(
         tokenize,
         batched=True,
         batch_size=_TOKENIZE_BATCH,
         remove_columns=ds.column_names,
         features=datasets.Features({"ids": _ids_feature(dtype)}),
-        new_fingerprint=fingerprint,
+        new_fingerprint=stream_key(ds, tok, text_field),
+        num_proc=num_proc if num_proc and num_proc > 1 else None,
+        cache_file_name=cache_file_name,
         desc=desc,
     )
-    parts = [
-        chunk.flatten().to_numpy(zero_copy_only=False) for chunk in mapped.data.column("ids").chunks
-    ]
+
+
+def token_chunks(tokenized: datasets.Dataset, dtype: np.dtype) -> Iterator[np.ndarray]:
+    """The flat token stream of `tokenize_dataset`'s result, one Arrow chunk at a time."""
+    for chunk in tokenized.data.column("ids").chunks:
+        flat = chunk.flatten().to_numpy(zero_copy_only=False)
+        if len(flat):
+            yield np.ascontiguousarray(flat, dtype=dtype)
+
+
+def pack_dataset(ds: datasets.Dataset, tok, text_field: str, desc: str | None = None) -> np.ndarray:
+    """All documents of a map-style dataset as one flat token array (uint16 or uint32), in memory.
+
+    Tokenization goes through `Dataset.map`, so for datasets backed by files the result is
+    cached next to them (keyed by `stream_key`); in-memory datasets are tokenized in memory.
+    The flat array costs 2 or 4 bytes per token of host memory in every process that calls
+    this: the loader uses it for data=embedded only, and memory-maps a prepared token cache
+    (data/token_cache.py) for data=hf, which holds exactly these tokens.
+    """
+    dtype = token_dtype(tok)
+    parts = list(token_chunks(tokenize_dataset(ds, tok, text_field, desc=desc), dtype))
     if not parts:
         return np.empty(0, dtype=dtype)
-    return np.concatenate(parts).astype(dtype, copy=False)
+    return np.concatenate(parts)
 
 
 def stream_samples(
