@@ -3,8 +3,8 @@
 Each group's dataclass lives next to the code it configures (model/config.py, ...); this
 file assembles them. Hydra merges the YAML files of conf/ into these typed nodes, so an
 unknown key or a wrong type fails in Hydra with its own message. Rules that involve more
-than one field are checked once, in `validate`, before any expensive work (ARCHITECTURE.md
-decision 7): each failure is a `ConfigError` whose text is one line naming the field and fix.
+than one field are checked once, in `validate`, before any expensive work
+(docs/ARCHITECTURE.md, decision 9): each failure is a `ConfigError` whose text is one line naming the field and fix.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a checkpoint holds: one Stateful per concern (ARCHITECTURE.md decision 6).
+"""What a checkpoint holds: one Stateful per concern (docs/ARCHITECTURE.md, decision 8).
 
     state = training_state(model, optimizer, scheduler, loader, train_state)
     # {"model", "optimizer", "scheduler", "loader", "rng", "train"} (+ "te_scaling")

@@ -3,7 +3,7 @@
 Every parameter's *full* value is drawn from its own generator, seeded from (seed, name), on
 the device the parameter lives on; each rank then keeps the part its (DTensor) parameter
 holds. So the TE and reference models, and every parallel layout, start from the same global
-weights (ARCHITECTURE.md decision 2). CPU and CUDA generators differ: a CPU run and a GPU run
+weights (docs/ARCHITECTURE.md, decision 2). CPU and CUDA generators differ: a CPU run and a GPU run
 start from different (equally valid) weights.
 """
 

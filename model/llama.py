@@ -1,7 +1,7 @@
 """Plain-PyTorch Llama: the reference implementation (runs anywhere, including CPU).
 
 Its module tree and parameter names mirror the TE implementation (te.TransformerLayer), so
-both produce the same state-dict layout (ARCHITECTURE.md decision 1):
+both produce the same state-dict layout (docs/ARCHITECTURE.md, decision 1):
 
     embed.weight                                          (padded_vocab, dim)
     layers.<i>.self_attention.layernorm_qkv.layer_norm_weight   (dim,)

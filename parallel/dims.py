@@ -1,4 +1,4 @@
-"""The one mesh object (ARCHITECTURE.md decision 3): degrees, validation, DeviceMesh, groups.
+"""The one mesh object (docs/ARCHITECTURE.md, decision 3): degrees, validation, DeviceMesh, groups.
 
 Rank layout: the mesh is ("dp_replicate", "dp_shard", "tp") in row-major order, so tp is the
 fastest-varying dim (tp ranks are neighbours, i.e. inside one node) and

@@ -51,7 +51,7 @@ def set_te_device_mesh(
     if hasattr(module, "set_device_mesh"):
         module.set_device_mesh(tp_mesh=tp_mesh, weight_mesh=weight_mesh)
         # TE's own placement for fc1 is plain Shard(0), which would make the global layout of
-        # [gate; up] depend on tp (ARCHITECTURE decision 1): re-describe the same local data.
+        # [gate; up] depend on tp (docs/ARCHITECTURE.md, decision 1): re-describe the same local data.
         for name, p in list(module.named_parameters(recurse=False)):
             want = placement_for(f"{prefix}.{name}")
             if isinstance(p, DTensor) and want == FC1 and p.placements != (FC1,):
