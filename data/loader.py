@@ -34,7 +34,7 @@ from data.config import DataConfig
 from data.packing import pack_dataset, stream_samples
 from data.sources import check_text_field, embedded_dataset, hf_dataset
 from data.token_cache import load_tokens
-from data.tokenizer import config_error
+from errors import ConfigError
 
 
 class _Position:
@@ -63,7 +63,7 @@ class _Position:
         self.samples_per_epoch: int | None = None
 
     def _too_small(self, n: int) -> Exception:
-        return config_error(
+        return ConfigError(
             f"data: the dataset packs into {n} samples of data.seq_len+1={self.sample_len} "
             f"tokens, fewer than one global batch (train.global_batch_size="
             f"{self.global_batch_size}); {self._more_data_hint}, or lower data.seq_len or "
@@ -85,13 +85,13 @@ class _Position:
 
     def _check_compatible(self, state: dict) -> None:
         if int(state["seq_len"]) != self.seq_len:
-            raise config_error(
+            raise ConfigError(
                 f"data.seq_len={self.seq_len} does not match the checkpoint's data position "
                 f"(seq_len={int(state['seq_len'])}); resume with data.seq_len="
                 f"{int(state['seq_len'])}"
             )
         if str(state["order"]) != self.order:
-            raise config_error(
+            raise ConfigError(
                 f"data sample order {self.order!r} does not match the checkpoint's "
                 f"{str(state['order'])!r}; resume with the same data.shuffle, "
                 "data.shuffle_seed, data.shuffle_buffer and data.streaming"
@@ -102,7 +102,7 @@ class _Position:
             and self.samples_per_epoch is not None
             and saved_n != self.samples_per_epoch
         ):
-            raise config_error(
+            raise ConfigError(
                 f"data: the dataset packs into {self.samples_per_epoch} samples per epoch but "
                 f"the checkpoint's had {saved_n}: the data changed (data.path, data.tokenizer, "
                 "data.max_bytes, or the Python version for data=embedded); resume with the "
@@ -175,7 +175,7 @@ class StreamingLoader(_Position):
         it = self._epoch_samples(self.epoch)
         skip = self.samples_consumed - self.epoch_start
         if skip and sum(1 for _ in itertools.islice(it, skip)) < skip:
-            raise config_error(
+            raise ConfigError(
                 f"data: the stream ended before the checkpoint's position ({skip} samples into "
                 f"epoch {self.epoch}): the data changed since the checkpoint; resume with the "
                 "same data"
@@ -236,12 +236,12 @@ def build_loader(
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     if global_batch_size <= 0 or global_batch_size % dp_size:
-        raise config_error(
+        raise ConfigError(
             f"train.global_batch_size={global_batch_size} must be a positive multiple of the "
             f"data-parallel size {dp_size}; change one of them"
         )
     if cfg.seq_len <= 0:
-        raise config_error(f"data.seq_len={cfg.seq_len} must be > 0")
+        raise ConfigError(f"data.seq_len={cfg.seq_len} must be > 0")
     layout = dict(
         seq_len=cfg.seq_len, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size
     )
@@ -257,7 +257,7 @@ def build_loader(
             **layout,
         )
     if cfg.name != "hf":
-        raise config_error(f"data.name={cfg.name!r} is not one of embedded, hf")
+        raise ConfigError(f"data.name={cfg.name!r} is not one of embedded, hf")
 
     ds = hf_dataset(cfg)
     check_text_field(ds, cfg)
@@ -275,7 +275,7 @@ def build_loader(
         )
 
     if cfg.shuffle and cfg.shuffle_buffer <= 0:
-        raise config_error(
+        raise ConfigError(
             f"data.shuffle_buffer={cfg.shuffle_buffer} must be > 0 with data.streaming=true and "
             "data.shuffle=true; raise it or set data.shuffle=false"
         )

@@ -13,7 +13,8 @@ import sysconfig
 import datasets
 
 from data.config import DataConfig
-from data.tokenizer import config_error, one_line
+from data.tokenizer import one_line
+from errors import ConfigError
 
 # --- embedded corpus ---------------------------------------------------------------------
 
@@ -59,10 +60,10 @@ def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:
     stored in the repo, and no cache can go stale.
     """
     if cfg.max_bytes <= 0:
-        raise config_error(f"data.max_bytes={cfg.max_bytes} must be > 0")
+        raise ConfigError(f"data.max_bytes={cfg.max_bytes} must be > 0")
     paths, texts = stdlib_documents(cfg.max_bytes)
     if not texts:
-        raise config_error(
+        raise ConfigError(
             f"data=embedded found no Python source under {sysconfig.get_paths()['stdlib']!r}; "
             "use data=hf with data.path=<your text files>"
         )
@@ -97,10 +98,10 @@ def resolve_local_files(path: str) -> list[str] | None:
     if glob.has_magic(expanded):
         files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
         if not files:
-            raise config_error(f"data.path={path!r} matched no files; fix the pattern")
+            raise ConfigError(f"data.path={path!r} matched no files; fix the pattern")
         unsupported = [f for f in files if _builder_for(f) is None]
         if unsupported:
-            raise config_error(
+            raise ConfigError(
                 f"data.path={path!r} matched {unsupported[0]!r}, which is not {supported}; "
                 "narrow the pattern"
             )
@@ -112,19 +113,19 @@ def resolve_local_files(path: str) -> list[str] | None:
             if os.path.isfile(f) and _builder_for(f) is not None
         )
         if not files:
-            raise config_error(
+            raise ConfigError(
                 f"data.path={path!r} is a directory without {supported} files; "
                 "point data.path at your data files"
             )
         return files
     if os.path.isfile(expanded):
         if _builder_for(expanded) is None:
-            raise config_error(
+            raise ConfigError(
                 f"data.path={path!r} is not a {supported} file; convert it or use one of those"
             )
         return [expanded]
     if _looks_local(path):
-        raise config_error(f"data.path={path!r} does not exist; fix the path")
+        raise ConfigError(f"data.path={path!r} does not exist; fix the path")
     return None
 
 
@@ -135,12 +136,12 @@ def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
     hub datasets larger than the local disk use data.streaming=true.
     """
     if not cfg.path:
-        raise config_error("data.path is required with data=hf (a hub dataset name or local files)")
+        raise ConfigError("data.path is required with data=hf (a hub dataset name or local files)")
     files = resolve_local_files(cfg.path)
     if files is not None:
         builders = sorted({_builder_for(f) for f in files})
         if len(builders) > 1:
-            raise config_error(
+            raise ConfigError(
                 f"data.path={cfg.path!r} mixes file types ({', '.join(builders)}); "
                 "use files of one type"
             )
@@ -156,7 +157,7 @@ def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
                 **extra,
             )
         except Exception as e:
-            raise config_error(
+            raise ConfigError(
                 f"data.path={cfg.path!r} could not be read as {builders[0]} ({one_line(e)}); "
                 "fix or convert the files"
             ) from None
@@ -165,7 +166,7 @@ def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
             cfg.path, cfg.subset, split=cfg.split, streaming=cfg.streaming, cache_dir=cfg.cache_dir
         )
     except Exception as e:
-        raise config_error(
+        raise ConfigError(
             f"data.path={cfg.path!r} is not a local path and could not be loaded from the hub "
             f"({one_line(e)}); check the name, data.subset, data.split, network or HF_TOKEN"
         ) from None
@@ -178,7 +179,7 @@ def check_text_field(ds, cfg: DataConfig) -> None:
         first = next(iter(ds), None)
         columns = [] if first is None else list(first)
     if cfg.text_field not in columns:
-        raise config_error(
+        raise ConfigError(
             f"data.text_field={cfg.text_field!r} is not a column of the dataset; available: "
             f"{', '.join(columns) or '(none: the dataset is empty)'}; set data.text_field"
         )

@@ -49,7 +49,8 @@ import numpy as np
 
 from data.config import DataConfig
 from data.packing import PACKING_VERSION, stream_key, token_chunks, tokenize_dataset
-from data.tokenizer import config_error, one_line, token_dtype
+from data.tokenizer import one_line, token_dtype
+from errors import ConfigError
 
 FORMAT = "te-llama-tokens-v1"
 SUBDIR = "te-llama-tokens"
@@ -365,7 +366,7 @@ def load_tokens(
     gets the lock; otherwise waits for the process that has it. Returns (tokens, meta, entry).
     """
     if cfg.num_proc < 1:
-        raise config_error(
+        raise ConfigError(
             f"data.num_proc={cfg.num_proc} must be >= 1 (tokenizer processes that prepare the "
             "token cache)"
         )
@@ -394,7 +395,7 @@ def load_tokens(
                     lock.release()
                 return entry.open(meta), meta, entry
         except OSError as e:
-            raise config_error(
+            raise ConfigError(
                 f"data.cache_dir: cannot write the token cache {entry.tokens} ({one_line(e)}); "
                 "set data.cache_dir to a writable directory with room for 2-4 bytes per token "
                 "(twice that while preparing)"

@@ -14,10 +14,6 @@ from data.config import DataConfig
 from errors import ConfigError
 
 
-def config_error(msg: str) -> Exception:
-    return ConfigError(msg)
-
-
 def one_line(exc: BaseException, limit: int = 200) -> str:
     """`Type: first line of the message`, short enough for a one-line ConfigError."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -57,12 +53,12 @@ class HFTokenizer:
 
             tok = AutoTokenizer.from_pretrained(name_or_path)
         except Exception as e:  # OSError, ValueError, HFValidationError, ...: all mean "unusable"
-            raise config_error(
+            raise ConfigError(
                 f"data.tokenizer={name_or_path!r} cannot be loaded ({one_line(e)}); set "
                 "data.tokenizer=byte or a tokenizer name / local directory with tokenizer files"
             ) from None
         if tok.eos_token_id is None:
-            raise config_error(
+            raise ConfigError(
                 f"data.tokenizer={name_or_path!r} has no EOS token, which separates packed "
                 "documents; use a tokenizer that defines eos_token"
             )
@@ -107,7 +103,7 @@ def build_tokenizer(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     if not cfg.tokenizer:
-        raise config_error("data.tokenizer is empty; set data.tokenizer=byte or a tokenizer name")
+        raise ConfigError("data.tokenizer is empty; set data.tokenizer=byte or a tokenizer name")
     return HFTokenizer(cfg.tokenizer)
 
 

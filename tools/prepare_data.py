@@ -23,10 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import ConfigError, compose_config  # noqa: E402
+from config import compose_config  # noqa: E402
 from data.sources import check_text_field, hf_dataset  # noqa: E402
 from data.token_cache import cache_root, list_entries, load_tokens  # noqa: E402
-from data.tokenizer import build_tokenizer, config_error, one_line  # noqa: E402
+from data.tokenizer import build_tokenizer, one_line  # noqa: E402
+from errors import ConfigError  # noqa: E402
 
 
 def report(meta: dict, tokens_path: Path, seq_len: int) -> str:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = compose_config(args.overrides).data
         except Exception as e:  # Hydra: unknown group or key, bad value
-            raise config_error(f"bad override ({one_line(e)}); use train.py's overrides") from None
+            raise ConfigError(f"bad override ({one_line(e)}); use train.py's overrides") from None
         if args.list:
             root = cache_root(cfg)
             entries = list_entries(root) if root.is_dir() else []
@@ -84,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return 0
         if cfg.name != "hf":
-            raise config_error(
+            raise ConfigError(
                 f"data.name={cfg.name!r}: only data=hf is prepared (data=embedded is built in "
                 "memory at run time); pass data=hf data.path=..."
             )
         if cfg.streaming:
-            raise config_error(
+            raise ConfigError(
                 "data.streaming=true reads the stream at run time and has nothing to prepare; "
                 "set data.streaming=false"
             )
