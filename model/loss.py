@@ -138,7 +138,6 @@ def _forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    *,
     vocab_size: int,
     ignore_index: int,
     tp_group,
@@ -263,19 +262,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Every dtype below is explicit; an enclosing autocast must not re-cast it.
         device_type = hidden.device.type
+        args = (hidden, weight, labels, vocab_size, ignore_index, tp_group, chunk, mm_dtype)
         with torch.autocast(device_type, enabled=False):
-            loss, dh, dw = _forward(
-                hidden,
-                weight,
-                labels,
-                vocab_size=vocab_size,
-                ignore_index=ignore_index,
-                tp_group=tp_group,
-                chunk_tokens=chunk,
-                mm_dtype=mm_dtype,
-                need_dhidden=need_dh,
-                need_dweight=need_dw,
-            )
+            loss, dh, dw = _forward(*args, need_dh, need_dw)
         ctx.save_for_backward(dh, dw)
         return loss
 
@@ -356,16 +345,4 @@ def fused_linear_cross_entropy(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearCrossEntropy.apply(*args)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        loss, _, _ = _forward(
-            hidden,
-            weight,
-            labels,
-            vocab_size=vocab_size,
-            ignore_index=ignore_index,
-            tp_group=tp_group,
-            chunk_tokens=chunk_tokens,
-            mm_dtype=mm_dtype,
-            need_dhidden=False,
-            need_dweight=False,
-        )
-    return loss
+        return _forward(*args, False, False)[0]

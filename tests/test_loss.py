@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.loss import (
@@ -23,6 +22,7 @@ from model.loss import (
 )
 from parallel.tp import copy_to_tp
 from tests.distributed import run_distributed
+from tools.bench_loss import cpu_peak_bytes
 
 IGNORE = -100
 
@@ -277,22 +277,6 @@ class _LargestFloatTensor(TorchDispatchMode):
         return out
 
 
-def _peak_bytes(fn) -> int:
-    """Peak of live CPU allocations while `fn` runs, from the profiler's memory events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 N_MEM, D_MEM, V_MEM, CHUNK_MEM = 2048, 32, 4000, 128
 
 
@@ -329,8 +313,8 @@ def test_no_full_logits_tensor(bf16):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_peak_memory_is_a_few_chunks(bf16):
-    fused_peak = _peak_bytes(_memory_run("fused", bf16))
-    ref_peak = _peak_bytes(_memory_run("ref", bf16))
+    fused_peak = cpu_peak_bytes(_memory_run("fused", bf16))
+    ref_peak = cpu_peak_bytes(_memory_run("ref", bf16))
     # Held across the whole call: dL/dhidden (hidden's dtype), dL/dW in fp32 and in the
     # returned weight.grad, the weight in the matmul dtype. Transient per chunk: fp32 logits
     # (softmax, gradient in place) + matmul-dtype logits and gradient: <= 3 fp32 blocks.
