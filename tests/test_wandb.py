@@ -2,7 +2,7 @@
 
 The end-to-end test trains with logger.wandb.mode=offline, SIGKILLs the trainer after a
 checkpoint and a few more logged steps, resumes, and reads the offline transaction logs
-back (tools/compare_runs.py's reader): the steps the killed run logged past its checkpoint
+back (runlog.py's reader): the steps the killed run logged past its checkpoint
 must not appear twice, and the history must equal metrics.jsonl.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.compare_runs import load_run, read_wandb_segments
+from runlog import load_run, read_wandb_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 
