@@ -19,9 +19,9 @@ from tests.harness.resume import (
     resumed,
     second_half,
 )
+from tests.helpers import CPU_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
 def test_replace_overrides_drops_the_key_and_everything_below_it():
