@@ -26,4 +26,4 @@ lint: setup-dev
 
 # On a GPU machine with TE: the gpu-marked tests and the multi-GPU checks, as a table.
 gpu-suite:
-	bash tools/gpu_suite.sh
+	bash tests/gpu/suite.sh

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from config import LoggerConfig
+from runlog import CompareError, read_metrics, read_wandb_segments
 
 LINE_FIELDS = [
     ("step", "{:>6d}"),
@@ -59,18 +60,6 @@ def format_line(record: dict) -> str:
 def new_run_id() -> str:
     """A wandb-style run id (8 lowercase letters/digits)."""
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Records of metrics.jsonl in file order; a line cut by a killed run is skipped."""
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -155,8 +144,6 @@ class MetricsLogger:
 
     def _offline_last_step(self, run_id: str) -> int:
         """Last step in the earlier offline segments of this wandb run (0 if none)."""
-        from tools.compare_runs import CompareError, read_wandb_segments
-
         wandb_dir = self.run_dir / "wandb"
         if not wandb_dir.is_dir():
             return 0

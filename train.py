@@ -7,13 +7,14 @@
 
 Setup runs in a fixed order; each step says why it sits where it does. Re-running the same
 command resumes from the newest complete checkpoint in runs/<run.name>/. `train_step` is the
-one training step; tests and tools call it too.
+one training step; tests and tools call it too, and `launch` runs this file in a subprocess.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -321,6 +322,31 @@ def run(cfg: Config) -> int:
     ckpt.finish(cfg.train.steps, state)
     logger.finish()
     return 0
+
+
+def launch(
+    overrides: list[str],
+    *,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess:
+    """Run this file with the Hydra `overrides` in a new process from the repository root,
+    under `torchrun --standalone --nproc_per_node=<nproc>` when nproc > 1; stdout and stderr
+    are captured as text. `env` adds to (or replaces in) this process's environment. For
+    commands and test harnesses that need whole runs, each in a fresh interpreter."""
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    here = Path(__file__).resolve()
+    return subprocess.run(
+        [*cmd, here.name, *overrides],
+        cwd=here.parent,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)

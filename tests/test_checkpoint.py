@@ -1,24 +1,20 @@
 """checkpoint/: layout and commit protocol, clear errors, single-process save/resume.
 
-Also the small training harness the multi-process tests (test_checkpoint_dist.py) share: a
-tiny reference Llama, a loader whose position is the number of global samples consumed
-(dp-size independent, like data/), AdamW + LambdaLR, and a loop that consumes the global RNG.
+The training setup (tiny reference Llama, FakeLoader, AdamW + the trainer's schedule, steps
+through train.train_step) is tests/helpers.py's, shared with test_checkpoint_dist.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from checkpoint import CheckpointManager, TrainState, store, training_state
+from checkpoint import CheckpointManager, store
 from checkpoint.config import CheckpointConfig
 from checkpoint.manager import model_shape_mismatches
 from checkpoint.state import RNGState
@@ -26,114 +22,12 @@ from config import ConfigError
 from model.config import ModelConfig
 from model.init import init_weights
 from model.llama import Llama
-from optim import clip_grad_norm
+from tests.helpers import BATCH, MODEL, SEQ, FakeLoader, build_training, config_yaml, run_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-SEQ, BATCH, VOCAB = 32, 8, 258
-MODEL = ModelConfig(max_seq_len=64, rope_scaling=None)
 
-
-# -- harness (also used by test_checkpoint_dist.py) -------------------------------------------
-
-
-class FakeLoader:
-    """Sample i of the global order is a fixed random sequence; rank r of dp reads rows
-    [consumed + r*local, ...) of each global batch. State: global samples consumed."""
-
-    def __init__(self, dp_rank: int = 0, dp_size: int = 1, global_batch: int = BATCH):
-        self.dp_rank, self.dp_size, self.global_batch = dp_rank, dp_size, global_batch
-        self.local = global_batch // dp_size
-        self.consumed = 0
-        self.last_ids: list[int] = []
-
-    @staticmethod
-    def sample(i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1_000_003 * i + 7)
-        return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-
-    def next_batch(self) -> torch.Tensor:
-        start = self.consumed + self.dp_rank * self.local
-        self.last_ids = list(range(start, start + self.local))
-        self.consumed += self.global_batch
-        return torch.stack([self.sample(i) for i in self.last_ids])
-
-    def state_dict(self) -> dict:
-        return {"samples_consumed": self.consumed}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.consumed = int(sd["samples_consumed"])
-
-
-def config_yaml(cfg: ModelConfig = MODEL) -> str:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured({"model": cfg}))
-
-
-def lr_factor(step: int, warmup: int = 5, total: int = 40) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
-
-
-def build_training(model: torch.nn.Module, loader, cfg: ModelConfig = MODEL):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    train_state = TrainState(config_yaml=config_yaml(cfg))
-    state = training_state(model, optimizer, scheduler, loader, train_state)
-    return optimizer, scheduler, train_state, state
-
-
-def run_steps(
-    model,
-    forward,
-    optimizer,
-    scheduler,
-    loader,
-    train_state,
-    start: int,
-    end: int,
-    *,
-    ckpt=None,
-    state=None,
-    dp_group=None,
-    mask_labels: bool = True,
-    on_step=None,
-) -> tuple[list[float], list[list[int]]]:
-    """Steps start+1..end. Returns per-step losses (mean over data-parallel ranks) and the
-    global sample ids of each step. mask_labels drops ~10% of labels with the global RNG,
-    so a resume that does not restore RNG states changes the losses."""
-    losses, ids = [], []
-    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-    for step in range(start + 1, end + 1):
-        batch = loader.next_batch()
-        x, y = batch[:, :-1], batch[:, 1:]
-        if mask_labels:
-            y = y.masked_fill(torch.rand(y.shape) < 0.1, -100)
-        logits = forward(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
-        loss.backward()
-        clip_grad_norm(model.parameters(), 1.0)  # the trainer's clipping
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        train_state.step = step
-        train_state.tokens_seen += BATCH * SEQ
-        global_loss = loss.detach().clone()
-        step_ids = [loader.last_ids]
-        if dp_group is not None:
-            dist.all_reduce(global_loss, group=dp_group)
-            global_loss /= dp
-            step_ids = [None] * dp
-            dist.all_gather_object(step_ids, loader.last_ids, group=dp_group)
-        losses.append(global_loss.item())
-        ids.append([i for part in step_ids for i in part])
-        if on_step is not None:
-            on_step(step)
-        if ckpt is not None:
-            ckpt.maybe_save(step, state)
-    return losses, ids
+# -- single-process runs ---------------------------------------------------------------------
 
 
 def plain_model(cfg: ModelConfig = MODEL, seed: int = 0) -> Llama:
@@ -159,7 +53,6 @@ def single_run(run_dir: Path, steps: int, *, cfg: ModelConfig = MODEL, seed_rng:
     ckpt = CheckpointManager(ckpt_cfg(**kw), run_dir, rank=0, world_size=1, log=lambda m: None)
     start = ckpt.resume(state)
     losses, _ = run_steps(
-        model,
         model,
         optimizer,
         scheduler,

@@ -1,8 +1,9 @@
 """checkpoint/ with several gloo processes: bitwise resume for every mode, kill -9 during an
 async save, resharding fsdp(4) -> fsdp(2) and tp(2), DTensor optimizer states (TE PR 2795).
 
-Each worker builds the reference Llama (tiny, seq 32, batch 8) in the layout asked for, trains
-with tests/test_checkpoint.py's harness and writes rank 0's losses and sample ids as JSON.
+Each worker builds the reference Llama (tiny, seq 32, batch 8) in the layout asked for (FSDP2
+over all ranks, or parallel/tp.py's tensor-parallel plan), trains with tests/helpers.py's
+run_steps (train.train_step) and writes rank 0's losses and sample ids as JSON.
 """
 
 from __future__ import annotations
@@ -18,76 +19,34 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from checkpoint import CheckpointManager, store
 from checkpoint.config import CheckpointConfig
 from config import ConfigError
 from model.init import init_weights
-from model.llama import Llama, rms_norm
-from model.rope import apply_rope
-from parallel.tp import copy_to_tp, reduce_from_tp
+from model.llama import Llama
+from parallel.tp import apply_reference_tp
 from tests.distributed import run_distributed
-from tests.test_checkpoint import MODEL, FakeLoader, build_training, run_steps
+from tests.helpers import MODEL, FakeLoader, build_training, full_logits_loss, run_steps
+from train import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 #: fsdp(4) -> fsdp(2) / tp(2) changes only the order of floating-point reductions (gradient
-#: reduce-scatter over 4 vs 2 ranks; attention output summed over 2 head groups). Measured max
-#: relative loss difference over the 10 resumed steps: 1.7e-7 (fsdp2), 8.5e-8 (tp2).
+#: reduce-scatter over 4 vs 2 ranks; tp's row-parallel outputs summed over 2 ranks). Measured
+#: max relative loss difference over the 10 resumed steps: 1.7e-7 (fsdp2), 1.7e-7 (tp2 with
+#: parallel/tp.py's plan; 8.5e-8 with the attention-only split this test used before).
 RESHARD_RTOL = 1e-5
 
 
 # -- layouts ---------------------------------------------------------------------------------
 
 
-def apply_test_tp(model: Llama, mesh) -> None:
-    """Attention heads split over the tp mesh (QKV rows by KV group, proj columns); the rest replicated.
-    A stand-in for parallel/'s plan: enough to load a checkpoint into other placements."""
-    for mod_name, mod in list(model.named_modules()):
-        for name, p in list(mod.named_parameters(recurse=False)):
-            if mod_name.endswith("layernorm_qkv") and name == "weight":
-                placements = [Shard(0)]
-            elif mod_name.endswith("self_attention.proj"):
-                placements = [Shard(1)]
-            else:
-                placements = [Replicate()]
-            dt = distribute_tensor(p.data, mesh, placements, src_data_rank=None)
-            setattr(mod, name, torch.nn.Parameter(dt))
-
-
-def tp_forward(model: Llama, tokens: torch.Tensor, group) -> torch.Tensor:
-    def loc(p):
-        return p.to_local()
-
-    x = F.embedding(tokens, loc(model.embed.weight))
-    b, s = tokens.shape
-    for blk in model.layers:
-        qkv = blk.self_attention.layernorm_qkv
-        h = copy_to_tp(rms_norm(x, loc(qkv.layer_norm_weight), qkv.eps), group)
-        hd, q_per_kv = model.cfg.head_dim, model.cfg.n_heads // model.cfg.n_kv_heads
-        fused = F.linear(h, loc(qkv.weight)).view(b, s, -1, q_per_kv + 2, hd)
-        q, k, v = (t.reshape(b, s, -1, hd) for t in fused.split([q_per_kv, 1, 1], dim=3))
-        q, k = apply_rope(q, model.freqs), apply_rope(k, model.freqs)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        out = F.linear(out.transpose(1, 2).reshape(b, s, -1), loc(blk.self_attention.proj.weight))
-        x = x + reduce_from_tp(out, group)
-        mlp = blk.layernorm_mlp
-        hm = rms_norm(x, loc(mlp.layer_norm_weight), mlp.eps)
-        gate, up = F.linear(hm, loc(mlp.fc1_weight)).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, loc(mlp.fc2_weight))
-    x = rms_norm(x, loc(model.norm.weight), model.norm.eps)
-    return F.linear(x, loc(model.lm_head.weight))
-
-
 def build(layout_name: str, rank: int, world_size: int):
-    """(model, forward, dp_group, loader) for 'fsdp' or 'tp' over all ranks."""
+    """(model, dp_group, loader) for 'fsdp' or 'tp' (parallel/tp.py's plan) over all ranks."""
     with torch.device("meta"):
         model = Llama(MODEL)
     if layout_name == "fsdp":
@@ -98,15 +57,12 @@ def build(layout_name: str, rank: int, world_size: int):
         loader, dp_group = FakeLoader(rank, world_size), mesh.get_group()
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-        apply_test_tp(model, mesh)
+        apply_reference_tp(model, mesh)
         loader, dp_group = FakeLoader(0, 1), None
     model.to_empty(device="cpu")
     model.reset_buffers()
     init_weights(model, MODEL, seed=0)
-    if layout_name == "fsdp":
-        return model, model, dp_group, loader
-    group = mesh.get_group()
-    return model, (lambda x: tp_forward(model, x, group)), dp_group, loader
+    return model, dp_group, loader
 
 
 def full_states(model, optimizer) -> dict:
@@ -129,7 +85,7 @@ def _segment(rank, world_size, layout_name, run_dir, ckpt_kwargs, end, out, opts
     opts = opts or {}
     torch.manual_seed(100 + rank)  # per-rank streams: the RNG state of every rank matters
     random.seed(100 + rank)
-    model, forward, dp_group, loader = build(layout_name, rank, world_size)
+    model, dp_group, loader = build(layout_name, rank, world_size)
     optimizer, scheduler, train_state, state = build_training(model, loader)
     ckpt = CheckpointManager(
         CheckpointConfig(**ckpt_kwargs), Path(run_dir), rank, world_size, log=lambda m: None
@@ -150,7 +106,6 @@ def _segment(rank, world_size, layout_name, run_dir, ckpt_kwargs, end, out, opts
 
     losses, ids = run_steps(
         model,
-        forward,
         optimizer,
         scheduler,
         loader,
@@ -369,15 +324,13 @@ class LegacyAdamW(torch.optim.AdamW):
 def _legacy_save(rank, world_size, run_dir):
     import checkpoint.te_state as te_state
 
-    model, forward, dp_group, loader = build("fsdp", rank, world_size)
+    model, _, loader = build("fsdp", rank, world_size)
     optimizer = LegacyAdamW(model.parameters(), lr=1e-3)
     _, _, train_state, state = build_training(model, loader)
     state["optimizer"].optimizer = optimizer
     for _ in range(2):
         x = loader.next_batch()
-        F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, optimizer, x[:, :-1], x[:, 1:], loss_fn=full_logits_loss)
     train_state.step = 2
     full = gathered_optimizer_states(model, optimizer)
     if rank == 0:
@@ -409,7 +362,7 @@ def gathered_optimizer_states(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def _legacy_load(rank, world_size, run_dir):
-    model, forward, dp_group, loader = build("fsdp", rank, world_size)
+    model, _, loader = build("fsdp", rank, world_size)
     optimizer = LegacyAdamW(model.parameters(), lr=1e-3)
     _, _, _, state = build_training(model, loader)
     state["optimizer"].optimizer = optimizer
@@ -483,40 +436,3 @@ def _amax_max_worker(rank, world_size):
 
 def test_delayed_scaling_state_saves_newest_amax_max_over_ranks():
     run_distributed(_amax_max_worker, 2)
-
-
-# -- fsdp_post_all_gather wrapper (TE quantized weights under FSDP2 x TP) --------------------
-
-
-def _post_all_gather_worker(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from compat.te import wrap_post_all_gather
-
-    seen = {}
-
-    def te_like(self, outputs, metadata, dtype, *, out=None):
-        seen["out"], seen["outputs"] = out, outputs
-        return out, outputs
-
-    wrapped = wrap_post_all_gather(te_like)
-    full = torch.arange(24.0).view(4, 6)  # the weight: 4 rows x 6 columns
-    # What torch hands over for a weight FSDP shards along dim 1 over 2 ranks: the row-major
-    # full bytes (chunk-cat), viewed with dim-0 semantics as (2 x 4, 6 / 2).
-    gathered = full.reshape(-1).view(8, 3)
-    scales = torch.ones(5)
-    local = torch.zeros(4, 6)
-    out = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Shard(0)])
-    wrapped(None, (gathered, scales), None, torch.float32, out=out)
-    assert seen["out"] is out._local_tensor  # TE gets the local tensor of a TP DTensor
-    assert seen["outputs"][0].shape == (4, 6) and torch.equal(seen["outputs"][0], full)
-    assert seen["outputs"][1] is scales  # another size: unchanged
-    wrapped(None, (full,), None, torch.float32, out=local)  # dim-0 sharding: already right
-    assert seen["outputs"][0] is full
-    wrapped(None, (gathered,), None, torch.float32)  # first all-gather: no out, untouched
-    assert seen["out"] is None and seen["outputs"][0] is gathered
-
-
-def test_post_all_gather_wrapper_takes_dtensor_out_and_dim1_gathers():
-    run_distributed(_post_all_gather_worker, 1)

@@ -1,5 +1,5 @@
-"""tools/compare_runs.py: loading (metrics.jsonl, wandb offline logs), comparison, CLI exit
-codes and the plot, on synthetic runs with known differences."""
+"""runlog.py (loading metrics.jsonl and wandb offline logs, comparison) and its command line
+tools/compare_runs.py (exit codes, the plot), on synthetic runs with known differences."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.compare_runs import compare, load_run, main, read_wandb_segments
+from runlog import compare, load_run, read_metrics, read_wandb_segments
+from tools.compare_runs import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -132,6 +133,36 @@ def test_bad_input_exits_2(tmp_path):
     rc, out = cli(a, a, "--metrics", "accuracy", "--no-plot")
     assert rc == 2 and "metric 'accuracy' is in none of the runs" in out
     assert main([str(a), str(a), "--assert-equal", "--rtol", "1e-3", "--no-plot"]) == 2
+
+
+def test_read_metrics_skips_a_cut_line_and_later_records_replace(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert read_metrics(path) == []  # no file yet: no records
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    path.write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 2, "loss": 1.0}\n'
+    )
+    assert load_run(path) == load_run(tmp_path) == {1: {"loss": 2.0}, 2: {"loss": 1.0}}
+
+
+def test_library_modules_import_neither_tools_nor_tests():
+    """tools/ and tests/ use the library (runlog.py, train.py, ...), never the other way round."""
+    import ast
+
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tools", "tests") or any(p.startswith(".") for p in rel.parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [f"{rel}: {n}" for n in names if n.split(".")[0] in ("tools", "tests")]
+    assert not offenders, offenders
 
 
 WANDB_SCRIPT = """

@@ -1,11 +1,13 @@
 """Every layout trains like one process: gloo, reference implementation, fp32, tiny model.
 
 Each case runs 20 AdamW steps with grad clipping on the same global batches as a
-single-process run of the plain model (no mesh) and compares the loss curves. The loop is the
-trainer's: each data-parallel rank takes its contiguous slice of the global batch, the loss
-is the token mean (equal-sized slices, so FSDP's gradient average is the global mean), the
-logged loss is averaged over the data-parallel group, and grads are clipped with
-clip_grad_norm_ on DTensors.
+single-process run of the plain model (no mesh) and compares the loss curves. The step is the
+trainer's (train.train_step, clipping with optim.clip_grad_norm on DTensors): each
+data-parallel rank takes its contiguous slice of the global batch, the loss is the token mean
+over every logit column (tests/helpers.py's full_logits_loss; equal-sized slices, so FSDP's
+gradient average is the global mean), and the logged loss is averaged over the data-parallel
+group. The step-1 gradients are checked on a forward and backward of the first batch before
+training (the same weights and batch as step 1, so the same gradients).
 
 Tolerances (fp32; the layouts change only the summation order of reductions):
     step 1   relative 1e-5  (same weights, same batch: pure forward rounding)
@@ -31,6 +33,8 @@ from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
 from tests.distributed import run_distributed
+from tests.helpers import full_logits_loss
+from train import train_step
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -61,56 +65,44 @@ def batches(cfg: ModelConfig, steps: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (steps, GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
 
 
-def train(
-    model,
-    cfg,
-    data,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    dp_group=None,
-    on_first_grads=None,
-    opt=None,
-) -> list[float]:
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+def rank_slice(data: torch.Tensor, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
     per_rank = GLOBAL_BATCH // dp_size
+    return data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
+
+
+def train(model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for step in range(data.shape[0]):
-        seq = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        inputs, labels = seq[:, :-1], seq[:, 1:]
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-        loss.backward()
-        if step == 0 and on_first_grads is not None:
-            on_first_grads(model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        logged = loss.detach().clone()
+        seq = rank_slice(data, step, dp_rank, dp_size)
+        loss, _ = train_step(
+            model, opt, seq[:, :-1], seq[:, 1:], grad_clip=1.0, loss_fn=full_logits_loss
+        )
         if dp_group is not None:
-            torch.distributed.all_reduce(logged, group=dp_group)
-            logged /= dp_size
-        losses.append(logged.item())
+            torch.distributed.all_reduce(loss, group=dp_group)
+            loss /= dp_size
+        losses.append(loss.item())
     return losses
+
+
+def first_grads(model, data, dp_rank: int = 0, dp_size: int = 1) -> None:
+    """Forward and backward of the first batch (step 1's gradients), leaving them in .grad."""
+    seq = rank_slice(data, 0, dp_rank, dp_size)
+    full_logits_loss(model, seq[:, :-1], seq[:, 1:]).backward()
 
 
 def reference_losses(tie: bool) -> list[float]:
     cfg = tiny_cfg(tie)
     model = Llama(cfg)
     init_weights(model, cfg, SEED)
-    return train(model, cfg, batches(cfg, STEPS))
+    return train(model, batches(cfg, STEPS))
 
 
 def reference_first_grads(cfg) -> dict[str, torch.Tensor]:
     model = Llama(cfg)
     init_weights(model, cfg, SEED)
-    grads = {}
-    train(
-        model,
-        cfg,
-        batches(cfg, 1),
-        on_first_grads=lambda m: grads.update({n: p.grad.clone() for n, p in m.named_parameters()}),
-    )
-    return grads
+    first_grads(model, batches(cfg, 1))
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def check_first_grads(model, ref: dict[str, torch.Tensor]) -> None:
@@ -152,25 +144,15 @@ def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
     pcfg = ParallelConfig(**pcfg_kwargs)
     dims, model = build_parallel(cfg, pcfg, impl, world_size)
     seen_qkv = record_forward_qkv(model)
-    ref_grads = reference_first_grads(cfg)
-    grad_err = []
-
-    def on_first_grads(m):
-        grad_err.append(check_first_grads(m, ref_grads))
-        check_local_qkv_groups(seen_qkv, cfg, dims.tp_rank, dims.tp)
-
-    losses = train(
-        model,
-        cfg,
-        batches(cfg, STEPS),
-        dims.dp_rank,
-        dims.dp_size,
-        dims.dp_group,
-        on_first_grads=on_first_grads,
-    )
+    data = batches(cfg, STEPS)
+    first_grads(model, data, dims.dp_rank, dims.dp_size)
+    grad_err = check_first_grads(model, reference_first_grads(cfg))
+    check_local_qkv_groups(seen_qkv, cfg, dims.tp_rank, dims.tp)
+    model.zero_grad(set_to_none=True)
+    losses = train(model, data, dims.dp_rank, dims.dp_size, dims.dp_group)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "grad_err": grad_err[0]}, f)
+            json.dump({"losses": losses, "grad_err": grad_err}, f)
 
 
 # ---- A CPU stand-in for model/te_llama.py under TE tensor parallelism -----------------------

@@ -9,7 +9,6 @@ run through tools/compare_runs.py --assert-equal.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from runlog import read_metrics
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +104,7 @@ def run_batch(env, *overrides, timeout=300):
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def test_stop_signal_checkpoints_requeues_and_resumes_bitwise(slurm_env, tmp_path):

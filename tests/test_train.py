@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from runlog import read_metrics
+from tests.harness.resume import keep_only_checkpoint
+from tests.helpers import CPU_ENV
+from train import launch
 
 
 def train(tmp: Path, name: str, *overrides: str, nproc: int = 1, timeout: int = 600):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, "train.py", f"run.root={tmp}", f"run.name={name}", *overrides]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return r, read_metrics(tmp / name)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    r = launch(
+        [f"run.root={tmp}", f"run.name={name}", *overrides],
+        nproc=nproc,
+        env=CPU_ENV,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"{' '.join(r.args)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return r, read_metrics(tmp / name / "metrics.jsonl")
 
 
 SMALL = ["data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
@@ -58,8 +53,6 @@ def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
 def test_tp_checkpoint_resumes_on_one_process(tmp_path):
     """train.py end to end: save under tp=2 (fc1 is a strided shard there), resume the middle
     checkpoint in one process: the second half continues the 2-process curve."""
-    import shutil
-
     steps = [
         "train.steps=8",
         "train.log_every=1",
@@ -68,8 +61,8 @@ def test_tp_checkpoint_resumes_on_one_process(tmp_path):
         *SMALL,
     ]
     _, tp_run = train(tmp_path, "tp", *steps, "parallel=tp", nproc=2)
-    shutil.copytree(tmp_path / "tp", tmp_path / "one")
-    shutil.rmtree(tmp_path / "one" / "checkpoints" / "step_0000008")
+    assert [rec["step"] for rec in tp_run] == list(range(1, 9))
+    keep_only_checkpoint(tmp_path / "tp", tmp_path / "one", 4)
     r, resumed = train(tmp_path, "one", *steps)
     assert "resumed_from_step=4" in r.stdout
     assert [rec["step"] for rec in resumed] == list(range(1, 9))

@@ -2,7 +2,7 @@
 
 The end-to-end test trains with logger.wandb.mode=offline, SIGKILLs the trainer after a
 checkpoint and a few more logged steps, resumes, and reads the offline transaction logs
-back (tools/compare_runs.py's reader): the steps the killed run logged past its checkpoint
+back (runlog.py's reader): the steps the killed run logged past its checkpoint
 must not appear twice, and the history must equal metrics.jsonl.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.compare_runs import load_run, read_wandb_segments
+from runlog import load_run, read_metrics, read_wandb_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,12 +71,7 @@ def committed_steps(run_dir: Path) -> list[int]:
 
 
 def logged_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [
-        json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")
-    ]
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
 def test_offline_history_has_each_step_once_across_kill_and_resume(tmp_path):

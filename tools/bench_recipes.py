@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from logger import read_metrics  # noqa: E402
-from tools.resume_check import launch  # noqa: E402
+from runlog import read_metrics  # noqa: E402
+from train import launch  # noqa: E402
 
 SM90_RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 
@@ -44,7 +44,7 @@ def run_one(
         f"run.name={name}",
         *extra,
     ]
-    r = launch(1, args)
+    r = launch(args)
     if r.returncode != 0:
         return [], (r.stderr.strip().splitlines() or ["failed"])[-1]
     return read_metrics(root / name / "metrics.jsonl"), ""

@@ -13,7 +13,6 @@ each test isolates one mechanism.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from model import te_available
+from tests.distributed import free_port
+from train import train_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,19 +32,13 @@ pytestmark = [
 DIM, ROWS = 128, 32
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def pg():
     owned = not dist.is_initialized()
     if owned:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
             RANK="0",
             WORLD_SIZE="1",
             LOCAL_RANK="0",
@@ -118,6 +113,16 @@ def _forward_backward(lin, recipe) -> torch.Tensor:
         y = lin(x)
     y.float().pow(2).mean().backward()
     return y.detach()
+
+
+def _square_mean(model, inputs, labels) -> torch.Tensor:
+    """A train_step loss_fn for the models here, which map vectors to vectors (no labels)."""
+    return model(inputs).float().pow(2).mean()
+
+
+def _sum(model, inputs, labels) -> torch.Tensor:
+    """A train_step loss_fn: one step that gives every weight a gradient."""
+    return model(inputs).sum()
 
 
 def _dequantized_weight(lin) -> torch.Tensor:
@@ -217,13 +222,16 @@ def _delayed_setup(seed: int, with_te_state: bool):
     )
 
     def step(i: int) -> float:
-        with te.autocast(enabled=True, recipe=recipe):
-            y = model(loader.batch())
-        loss = y.float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+        x = loader.batch()
+        loss, _ = train_step(
+            model,
+            opt,
+            x,
+            x,
+            scheduler=sched,
+            autocast=te.autocast(enabled=True, recipe=recipe),
+            loss_fn=_square_mean,
+        )
         train_state.step = i
         return loss.item()
 
@@ -288,8 +296,8 @@ def test_fused_adam_states_are_dtensors_and_legacy_ones_get_wrapped(pg, monkeypa
     model = te.Linear(DIM, DIM, bias=False, device="cuda")
     fully_shard(model, mesh=_mesh("dp_shard"))
     opt = FusedAdam(model.parameters(), lr=1e-3)
-    model(torch.randn(ROWS, DIM, device="cuda")).sum().backward()
-    opt.step()
+    x = torch.randn(ROWS, DIM, device="cuda")
+    train_step(model, opt, x, x, loss_fn=_sum)
     part = OptimizerState(model, opt)
     sd = part.state_dict()
     assert part._wrapped == set()  # upstream fix present: nothing to do
@@ -349,8 +357,8 @@ def _reshard_worker(rank, world_size, tmp, phase):
             model, mesh=init_device_mesh("cuda", (world_size,), mesh_dim_names=("dp_shard",))
         )
         opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
-        model(torch.randn(ROWS, 2 * DIM, device="cuda")).sum().backward()
-        opt.step()
+        x = torch.randn(ROWS, 2 * DIM, device="cuda")
+        train_step(model, opt, x, x, loss_fn=_sum)
         state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
         ckpt = _manager(Path(tmp), resume="auto" if phase == "load" else "none")
 

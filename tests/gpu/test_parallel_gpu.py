@@ -1,11 +1,12 @@
-"""Parallel layouts of the TE implementation on 2-4 GPUs vs one GPU (tools/gpu_parallel_check.py).
+"""Parallel layouts of the TE implementation on 2-4 GPUs vs one GPU (tests/harness/parity.py).
 
     source .device/setup.sh && python3 -m pytest -m gpu tests/gpu/test_parallel_gpu.py -q -s
 
-Runs the check script under torchrun on min(4, GPUs) processes: fsdp, hsdp, ddp, tp, fsdp_tp,
-hsdp_tp (those that fit), bf16 and fp8_cs, 20 steps each against the single-GPU curve, and the
-fp8_cs FSDP2 all-gather check (FP8 shards gathered == FP8 cast of the full weight). The table
-is printed with -s; tolerances are the script's (STEP1_RTOL, CURVE_RTOL).
+Runs the parity harness under torchrun (`-m tests.harness.parity`) on min(4, GPUs) processes:
+fsdp, hsdp, ddp, tp, fsdp_tp, hsdp_tp (those that fit), bf16 and fp8_cs, 20 steps each against
+the single-GPU curve, and the fp8_cs FSDP2 all-gather check (FP8 shards gathered == FP8 cast of
+the full weight). The table is printed with -s; tolerances are the harness's (STEP1_RTOL,
+CURVE_RTOL).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _run(nproc: int, out: Path, *extra: str) -> dict:
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(ROOT / "tools" / "gpu_parallel_check.py"),
+        "-m",
+        "tests.harness.parity",
         "--json",
         str(out),
         *extra,
@@ -50,7 +52,7 @@ def _run(nproc: int, out: Path, *extra: str) -> dict:
     )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-8000:])
-    assert out.exists(), f"check script wrote no results:\n{proc.stderr[-4000:]}"
+    assert out.exists(), f"the parity harness wrote no results:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
     bad = [r for r in result["curves"] + result["fp8_allgather"] if not r.get("ok", True)]
     assert proc.returncode == 0 and not bad, f"failed rows: {bad}\n{proc.stderr[-4000:]}"

@@ -12,7 +12,6 @@ amax-reduction groups on real quantizers and quantized weights under FSDP2 (one 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from recipes import (
     te_recipe_spec,
     weight_quantizers,
 )
+from tests.distributed import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,10 +61,7 @@ def group():
     """A one-rank NCCL process group that is not the default one (so it is recognisable)."""
     started = not dist.is_initialized()
     if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.new_group([0])
     if started:

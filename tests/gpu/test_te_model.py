@@ -23,6 +23,7 @@ from model import te_available
 from model.config import ModelConfig, RopeScalingConfig
 from model.init import init_weights
 from model.llama import Llama
+from train import train_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,8 +70,12 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Te
     return F.cross_entropy(logits[..., :vocab].float().reshape(-1, vocab), targets.reshape(-1))
 
 
+def bf16_autocast():
+    return torch.autocast("cuda", dtype=torch.bfloat16)
+
+
 def bf16(model, tokens):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with bf16_autocast():
         return model(tokens)
 
 
@@ -122,17 +127,14 @@ def test_training_tracks_reference(tied):
     cfg = cfg_for(tied)
     ref, te_model = build_pair(cfg)
     tokens, targets = batch(cfg, seed=1)  # the same 8 sequences every step: memorisation
-    v = cfg.vocab_size
     losses = {}
     for name, model in (("ref", ref), ("te", te_model)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         curve = []
         for _ in range(STEPS):
-            loss = loss_of(bf16(model, tokens), targets, v)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            curve.append(loss.detach())
+            # train.next_token_loss is loss_of: the logits cut to the vocabulary, in fp32.
+            loss, _ = train_step(model, opt, tokens, targets, autocast=bf16_autocast())
+            curve.append(loss)
         losses[name] = torch.stack(curve).tolist()
     diffs = [abs(a - b) for a, b in zip(losses["ref"], losses["te"])]
     print(f"\n[{'tied' if tied else 'untied'}] step  ref      te       |diff|")
@@ -208,7 +210,7 @@ def test_quantized_init_fp8_cs_trains():
 
     from config import OptimConfig
     from model import build_model
-    from optim import build_optimizer, clip_grad_norm
+    from optim import build_optimizer
     from recipes import build_recipe
     from recipes.config import RecipeConfig
 
@@ -247,24 +249,15 @@ def test_quantized_init_fp8_cs_trains():
     init_weights(ref, cfg, 0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt_cfg.lr, weight_decay=0.0)
     tokens, targets = batch(cfg, seed=1)
-    v = cfg.vocab_size
     losses = {"fp8": [], "ref": []}
     before = optimizer.state[params[qkv_names[0]]]["master_param"].clone()
     for _ in range(5):
-        with torch.autocast("cuda", dtype=torch.bfloat16):  # the model enters recipe.autocast()
-            loss = loss_of(model(tokens), targets, v)
-        loss.backward()
-        clip_grad_norm(model.parameters(), opt_cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses["fp8"].append(loss.item())
-
-        loss = loss_of(bf16(ref, tokens), targets, v)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), opt_cfg.grad_clip)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        losses["ref"].append(loss.item())
+        # The model enters recipe.autocast() itself; both clip at opt_cfg.grad_clip.
+        for key, m, opt in (("fp8", model, optimizer), ("ref", ref, ref_opt)):
+            loss, _ = train_step(
+                m, opt, tokens, targets, grad_clip=opt_cfg.grad_clip, autocast=bf16_autocast()
+            )
+            losses[key].append(loss.item())
     print(f"\nfp8_cs quantized_init losses {losses['fp8']}\nreference bf16 losses  {losses['ref']}")
 
     qkv = params[qkv_names[0]]

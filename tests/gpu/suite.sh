@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# GPU suite: run on a machine with CUDA + TransformerEngine, from the repository root.
+# GPU suite: run on a machine with CUDA + TransformerEngine (`make gpu-suite` runs `single`).
 #
-#   bash tools/gpu_suite.sh single        # 1 GPU: tests, recipes, resume, save (the stages below)
-#   bash tools/gpu_suite.sh tests recipes # any of: tests recipes resume save
-#   bash tools/gpu_suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather
-#   bash tools/gpu_suite.sh matrix        # 4 GPUs: every recipe x layout x checkpoint mode, resume bitwise
+#   bash tests/gpu/suite.sh single        # 1 GPU: tests, recipes, resume, save (the stages below)
+#   bash tests/gpu/suite.sh tests recipes # any of: tests recipes resume save
+#   bash tests/gpu/suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather
+#   bash tests/gpu/suite.sh matrix        # 4 GPUs: every recipe x layout x checkpoint mode, resume bitwise
 #                                         # (MATRIX_LAYOUTS="tp fsdp_tp", MATRIX_RECIPES="fp8_cs" for a subset)
-#   bash tools/gpu_suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
+#   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2  # the repository root: the harnesses run as modules
 OUT=${OUT:-gpu-suite-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -37,7 +37,7 @@ resume() {
     stage "resume parity per recipe (tiny model; one process per recipe, in parallel)"
     local pids=()
     for r in bf16 fp8_delayed fp8_cs fp8_block; do
-        "$PY" tools/resume_check.py --steps 20 --recipes "$r" --quantized-init both \
+        "$PY" -m tests.harness.resume --steps 20 --recipes "$r" --quantized-init both \
             --modes sync async -- model=tiny train.global_batch_size=16 \
             > "$OUT/resume_$r.log" 2>&1 &
         pids+=($!)
@@ -64,7 +64,7 @@ multi() {
     local pids=() n
     for n in 2 4; do
         [[ $n -le $NGPU ]] || continue
-        timeout "${MULTI_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$n" tools/gpu_parallel_check.py \
+        timeout "${MULTI_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$n" -m tests.harness.parity \
             --json "$OUT/parallel_$n.json" > "$OUT/parallel_$n.log" 2>&1 &
         pids+=($!)
     done
@@ -86,14 +86,14 @@ matrix() {
         i=$((i + 1))  # the mode rotation follows the position in this list
         [[ " ${MATRIX_LAYOUTS:-ddp fsdp hsdp tp fsdp_tp hsdp_tp} " == *" $layout "* ]] || continue
         rm -f "$OUT/matrix_$layout.jsonl"
-        timeout "${MATRIX_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$NGPU" tools/layout_matrix.py \
+        timeout "${MATRIX_TIMEOUT:-420}" torchrun --standalone --nproc_per_node="$NGPU" -m tests.harness.matrix \
             --layout "$layout" --layout-index "$i" --jsonl "$OUT/matrix_$layout.jsonl" \
             ${MATRIX_RECIPES:+--recipes $MATRIX_RECIPES} \
             -- "${MATRIX_MODEL[@]}" > "$OUT/matrix_$layout.log" 2>&1 &
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || status=1; done
-    "$PY" tools/layout_matrix.py --table "$OUT"/matrix_*.jsonl || status=1
+    "$PY" -m tests.harness.matrix --table "$OUT"/matrix_*.jsonl || status=1
 }
 
 # shellcheck disable=SC2329  # called by scale
@@ -114,9 +114,8 @@ scale_one() {
         parallel.dp_shard=2 run.name="$r-hsdp" > "$OUT/scale_$r-hsdp.log" 2>&1 || return 1
     local to
     for to in fsdp_tp fsdp2; do
-        "$PY" -c "import sys; from pathlib import Path; from tools.resume_check import \
-keep_only_checkpoint as k; k(Path(sys.argv[1]), Path(sys.argv[2]), 20)" \
-            "$root/$r-hsdp" "$root/$r-hsdp-to-$to" || return 1
+        "$PY" -m tests.harness.resume --copy-checkpoint "$root/$r-hsdp" "$root/$r-hsdp-to-$to" 20 \
+            || return 1
     done
     "${tr[@]}" --nproc_per_node=4 train.py "${common[@]}" parallel=fsdp_tp parallel.dp_shard=2 \
         parallel.tp=2 run.name="$r-fsdp_tp" > "$OUT/scale_$r-fsdp_tp.log" 2>&1 &
@@ -148,7 +147,7 @@ scale() {
         g=$((g + 1))
     done
     for p in "${pids[@]}"; do wait "$p" || status=1; done
-    "$PY" tools/scale_report.py "$root" || status=1
+    "$PY" -m tests.harness.scale "$root" || status=1
 }
 
 [[ $# -gt 0 ]] || set -- single

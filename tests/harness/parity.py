@@ -1,8 +1,10 @@
 """GPU parity of the parallel layouts for the TE implementation (launch with torchrun).
 
-    torchrun --nproc_per_node=4 tools/gpu_parallel_check.py              # every layout that fits
-    torchrun --nproc_per_node=2 tools/gpu_parallel_check.py --layouts fsdp,tp --recipes bf16
-    torchrun --nproc_per_node=4 tools/gpu_parallel_check.py --json out.json
+    torchrun --nproc_per_node=4 -m tests.harness.parity              # every layout that fits
+    torchrun --nproc_per_node=2 -m tests.harness.parity --layouts fsdp,tp --recipes bf16
+    torchrun --nproc_per_node=4 -m tests.harness.parity --json out.json
+
+(from the repository root; `-m` runs it as a module, which puts the root on sys.path).
 
 For each layout (fsdp, hsdp, ddp, tp, fsdp_tp, hsdp_tp; those whose degrees fit the GPU count)
 and recipe (bf16, fp8_cs, fp8_block with quantized weights), trains the same small TE Llama
@@ -37,20 +39,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import compat  # noqa: E402
-from checkpoint.planners import local_global_indices  # noqa: E402
-from config import OptimConfig, compose_config  # noqa: E402
-from errors import ConfigError  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.init import full_init_value  # noqa: E402
-from optim import build_optimizer  # noqa: E402
-from parallel import ParallelConfig, ParallelDims  # noqa: E402
-from parallel.dims import LAYOUTS  # noqa: E402
-from recipes import build_recipe  # noqa: E402
-from recipes.config import RecipeConfig  # noqa: E402
-from train import build_parallel_model, train_step  # noqa: E402
+import compat
+from checkpoint.planners import local_global_indices
+from config import OptimConfig, compose_config
+from errors import ConfigError
+from model.config import ModelConfig
+from model.init import full_init_value
+from optim import build_optimizer
+from parallel import ParallelConfig, ParallelDims
+from parallel.dims import LAYOUTS
+from recipes import build_recipe
+from recipes.config import RecipeConfig
+from train import build_parallel_model, train_step
 
 #: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
 #: change the order of bf16 sums (TP partial sums, reduce-scatter) and FP8 scales are per

@@ -1,18 +1,20 @@
 """Recipe x layout x checkpoint-mode matrix: train, save, resume, compare; one torchrun job.
 
-    torchrun --nproc_per_node=4 tools/layout_matrix.py --layout fsdp_tp --jsonl out.jsonl \
+    torchrun --nproc_per_node=4 -m tests.harness.matrix --layout fsdp_tp --jsonl out.jsonl \
         -- model.dim=512 model.ffn_dim=1536                                          # GPU, TE
-    torchrun --nproc_per_node=4 tools/layout_matrix.py --layout hsdp --recipes bf16 \
+    torchrun --nproc_per_node=4 -m tests.harness.matrix --layout hsdp --recipes bf16 \
         --modes sync async async_process -- model.impl=torch data.seq_len=64            # CPU
+    python -m tests.harness.matrix --table a.jsonl b.jsonl                      # table only
 
-For every recipe variant (bf16, and each FP8 recipe with and without quantized_init) it runs
-train.py's `run()` in this process (one process group, TE imported once, so a case costs
-seconds): run A trains --steps steps with a checkpoint every steps/2 in the case's checkpoint
-mode; run B starts from a copy of A's directory that holds only the middle checkpoint and
-resumes it with the same command; the losses after the middle must be bitwise equal. The
-checkpoint mode rotates over --modes with the recipe and --layout-index, so a set of jobs
-over all layouts covers every recipe and every layout with every mode (--all-modes runs the
-full product instead).
+(from the repository root; `-m` puts it on sys.path). For every recipe variant (bf16, and each
+FP8 recipe with and without quantized_init) it runs tests/harness/resume.py's protocol
+(`resume_case`) with train.py's `run()` in this process (one process group, TE imported once,
+so a case costs seconds): run A trains --steps steps with a checkpoint every steps/2 in the
+case's checkpoint mode; run B starts from a copy of A's directory that holds only the middle
+checkpoint and resumes it with the same command; the losses after the middle must be bitwise
+equal. The checkpoint mode rotates over --modes with the recipe and --layout-index, so a set
+of jobs over all layouts covers every recipe and every layout with every mode (--all-modes
+runs the full product instead).
 
 Each finished case is appended to --jsonl on rank 0 as it completes (a later case that hangs
 or kills the job keeps the earlier rows); `--table a.jsonl b.jsonl ...` prints the table of
@@ -27,13 +29,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tests.harness.resume import case_overrides, format_table, resume_case
 
 VARIANTS = (
     ("bf16", False),
@@ -46,19 +46,18 @@ VARIANTS = (
 )
 
 
-def run_in_process(overrides: list[str]) -> tuple[int, float]:
-    """train.run() on the composed config; returns its status and the seconds it took."""
+def run_in_process(overrides: list[str], label: str) -> str | None:
+    """train.run() on the composed config (a resume_case runner): None, or the error."""
     import torch
 
     import train
     from config import compose_config
 
-    t0 = time.perf_counter()
     status = train.run(compose_config(overrides))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return status, time.perf_counter() - t0
+    return None if status == 0 else f"run {label} exited with status {status}"
 
 
 def cases(args) -> list[tuple[str, bool, str]]:
@@ -77,9 +76,6 @@ def cases(args) -> list[tuple[str, bool, str]]:
 def run_case(tmp: Path, recipe: str, qinit: bool, mode: str, args, rank: int) -> dict:
     import torch.distributed as dist
 
-    from tools.resume_check import case_overrides, keep_only_checkpoint, second_half
-
-    half = args.steps // 2
     name, common = case_overrides(
         recipe, qinit, mode, args.steps, tmp, [f"parallel={args.layout}", *args.overrides]
     )
@@ -90,23 +86,13 @@ def run_case(tmp: Path, recipe: str, qinit: bool, mode: str, args, rank: int) ->
         mode=mode,
         case=f"{args.layout}/{name}",
     )
-    run_a, run_b = tmp / f"{name}-A", tmp / f"{name}-B"
-    status, row["seconds_a"] = run_in_process(common + [f"run.name={name}-A"])
-    if status != 0:
-        return dict(row, error=f"run A exited with status {status}")
-    dist.barrier()
-    if rank == 0:
-        keep_only_checkpoint(run_a, run_b, half)
-    dist.barrier()
-    status, row["seconds_b"] = run_in_process(common + [f"run.name={name}-B"])
-    if status != 0:
-        return dict(row, error=f"run B exited with status {status}")
-    if rank == 0:
-        # A fresh start would have moved the copied metrics aside (logger.py) instead of
-        # trimming them to the checkpoint's step.
-        row["resumed"] = not list(run_b.glob("metrics.*.jsonl"))
-        row.update(second_half(run_a, run_b, half))
-    return row
+    # Every rank runs A and B; rank 0 copies between them (the others wait) and compares.
+    return dict(
+        row,
+        **resume_case(
+            run_in_process, tmp, name, common, args.steps // 2, leader=rank == 0, sync=dist.barrier
+        ),
+    )
 
 
 def passed(row: dict) -> bool:
@@ -115,8 +101,6 @@ def passed(row: dict) -> bool:
 
 
 def format_rows(rows: list[dict]) -> str:
-    from tools.resume_check import format_table
-
     return format_table(rows, keys=("layout", "recipe", "quantized_init", "mode"), timing=True)
 
 

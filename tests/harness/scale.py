@@ -1,6 +1,6 @@
-"""Table of the GPU suite's `scale` stage (tools/gpu_suite.sh): layout parity and reshard resumes.
+"""Table of the GPU suite's `scale` stage (tests/gpu/suite.sh): layout parity and reshard resumes.
 
-    python tools/scale_report.py /tmp/gpu-suite-scale [--resume-step 20]
+    python -m tests.harness.scale /tmp/gpu-suite-scale [--resume-step 20]     # repository root
 
 The stage leaves, per recipe R, the run directories R-1gpu, R-hsdp (4 GPUs, saved at the
 resume step), R-fsdp_tp (4 GPUs), R-hsdp-to-fsdp_tp (R-hsdp's checkpoint resumed on 4 GPUs
@@ -10,7 +10,7 @@ with fsdp_tp) and R-hsdp-to-fsdp2 (resumed on 2 GPUs with fsdp). Rows:
     resume   R-hsdp-to-* against R-hsdp (the uninterrupted run), the steps after the resume
 
 Prints the loss at the first, resume and last step, and max absolute / relative loss
-difference. Exit status 1 when a run is missing.
+difference (tests/harness/resume.py's `loss_parity`). Exit status 1 when a run is missing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.compare_runs import compare, load_run  # noqa: E402
+from runlog import load_run
+from tests.harness.resume import after, loss_parity
 
 PAIRS = (
     ("parity", "1gpu", "hsdp", 0),
@@ -54,23 +53,19 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     ok = bool(recipes)
     for r in recipes:
-        for kind, ref, run, after in PAIRS:
-            after = a.resume_step if after is None else after
+        for kind, ref, run, start in PAIRS:
+            start = a.resume_step if start is None else start
             try:
-                runs = {
-                    k: {s: v for s, v in load_run(root / f"{r}-{k}").items() if s > after}
-                    for k in (ref, run)
-                }
+                runs = {k: after(load_run(root / f"{r}-{k}"), start) for k in (ref, run)}
             except Exception as e:  # a run that failed leaves no metrics
                 print(f"| {r} | {kind} | {ref} | {run} | missing: {e} | | | | |")
                 ok = False
                 continue
-            d = compare(runs, metrics=("loss",)).diffs[0]
-
+            d = loss_parity(runs[ref], runs[run])
             print(
-                f"| {r} | {kind} | {ref} | {run} | {d.common_steps} | {losses(runs[ref], kind, a.resume_step)} "
+                f"| {r} | {kind} | {ref} | {run} | {d['steps']} | {losses(runs[ref], kind, a.resume_step)} "
                 f"| {losses(runs[run], kind, a.resume_step)} "
-                f"| {d.max_abs:.3g} | {d.max_rel:.3g} |"
+                f"| {d['max_abs']:.3g} | {d['max_rel']:.3g} |"
             )
     return 0 if ok else 1
 

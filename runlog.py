@@ -1,0 +1,391 @@
+"""Reading what runs logged, and comparing runs step by step.
+
+    from runlog import compare, load_run, read_metrics
+    records = read_metrics(Path("runs/a/metrics.jsonl"))         # [{"step": 1, "loss": ...}, ...]
+    run = load_run("runs/a")                                     # {step: {metric: value}}
+    report = compare({"a": run, "b": load_run("runs/b")}, ["loss"], rtol=0, atol=0)
+    report.ok, report.format()
+
+A run (`load_run`) is any of:
+  - a run directory (`runs/<name>/`) holding `metrics.jsonl`, or that file itself;
+  - a wandb offline run (`.../wandb/offline-run-<time>-<id>/` or its `run-<id>.wandb` file),
+    or a wandb directory holding several segments of one run (a resumed offline run; also
+    a run directory without metrics.jsonl): segments are read in start-time order and a
+    later segment's row for a step supersedes an earlier one;
+  - `entity/project/run_id` of an online wandb run (full history through wandb.Api).
+
+`compare` checks every run against the first on the steps both logged: per metric the number
+of common steps, the max absolute and relative difference (relative to the reference value),
+and the first step where the two differ by more than `atol + rtol * |reference|` (the
+defaults, 0 and 0, mean "not bitwise equal"). Anything that cannot be read or compared raises
+`CompareError` with a one-line message.
+
+Used by logger.py (the last step of earlier offline wandb segments), tools/compare_runs.py (the
+command line and plot) and the test harnesses (tests/harness/). Library code: it imports
+nothing from tools/ or tests/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Run = dict[int, dict]
+
+#: entity/project/run_id (wandb names: letters, digits, '-', '_', '.').
+WANDB_RUN_PATH = re.compile(r"^[\w.-]+/[\w.-]+/[\w-]+$")
+
+
+class CompareError(ValueError):
+    """A run that cannot be read or compared; the message says which and why."""
+
+
+# --------------------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of metrics.jsonl in file order; a line cut by a killed run is skipped, and a
+    missing file has none."""
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def read_metrics_jsonl(path: Path) -> Run:
+    """One record per line with a `step`; a later record for a step replaces an earlier one,
+    and a line cut short by a killed run is skipped (read_metrics)."""
+    return {
+        int(r["step"]): {k: v for k, v in r.items() if k != "step"}
+        for r in read_metrics(path)
+        if isinstance(r, dict) and "step" in r
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Loading runs
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one run as {step: {metric: value}} (see the module docstring for what a run is)."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix == ".wandb":
+            return _merge_segments([read_wandb_file(p)])
+        return read_metrics_jsonl(p)
+    if p.is_dir():
+        if (p / "metrics.jsonl").is_file():
+            return read_metrics_jsonl(p / "metrics.jsonl")
+        segments = read_wandb_segments(p)
+        if segments:
+            return _merge_segments(segments)
+        raise CompareError(f"{path}: no metrics.jsonl and no wandb run data (*.wandb) in it")
+    if WANDB_RUN_PATH.match(str(path)):
+        return read_wandb_online(str(path))
+    raise CompareError(
+        f"{path}: not a run directory, metrics.jsonl, wandb offline run or entity/project/run_id"
+    )
+
+
+def read_wandb_online(run_path: str) -> Run:
+    try:
+        import wandb
+
+        api_run = wandb.Api().run(run_path)
+        rows = list(api_run.scan_history())  # unsampled, unlike api_run.history()
+    except Exception as e:  # network, login or a wrong path: one line, no traceback
+        raise CompareError(
+            f"{run_path}: could not read the wandb run ({type(e).__name__}: "
+            f"{e}); check the path and `wandb login`"
+        ) from None
+    return {int(row["_step"]): _public(row) for row in rows if row.get("_step") is not None}
+
+
+def _merge_segments(segments: Sequence[WandbSegment]) -> Run:
+    run: Run = {}
+    for segment in segments:
+        for row in segment.rows:
+            run[int(row["_step"])] = _public(row)
+    return run
+
+
+def _public(row: Mapping) -> dict:
+    """Drop wandb's own columns (_step, _runtime, _timestamp, ...)."""
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+# ======================================================================================
+# BEGIN wandb offline transaction logs (private format)
+#
+# The only code that knows how wandb stores an offline run on disk. Everything else uses
+# what this section exposes:
+#
+#     WandbSegment                                   path, run_id, start_time, tags, rows
+#     read_wandb_file(path) -> WandbSegment          one run-<id>.wandb file
+#     read_wandb_segments(path, run_id=None)         every segment under a directory, oldest
+#                                                    first (CompareError: several run ids)
+#
+# Each row is a dict of the logged values plus "_step". To read offline runs through a
+# public wandb API instead, replace this section and keep those three names and shapes.
+#
+# The .wandb file is wandb's transaction log: a 7-byte file header, then LevelDB-log-style
+# records (crc32, length, type; 7 bytes) in 32 KiB blocks, each payload a serialized
+# wandb.proto Record. wandb 0.31 has no Python reader (its Go core reads these files), so
+# the framing is parsed here; the payloads are decoded with wandb's own protobuf classes.
+
+import struct  # noqa: E402  (kept inside the section it serves)
+import zlib  # noqa: E402
+
+_FILE_HEADER = struct.Struct("<4sHB")  # ident b":W&B", magic 0xBEE1, version 0
+_RECORD_HEADER = struct.Struct("<IHB")  # crc32 (seeded with the type byte), length, type
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+@dataclass
+class WandbSegment:
+    """What one wandb.init wrote: one offline-run-* directory of a (possibly resumed) run."""
+
+    path: Path
+    run_id: str
+    start_time: float
+    tags: list[str] = field(default_factory=list)
+    #: History rows in the order they were written, each with "_step".
+    rows: list[dict] = field(default_factory=list)
+
+
+def _wandb_payloads(data: bytes, name: str):
+    if not data:
+        return  # created by a process killed before it wrote anything
+    ident, magic, version = _FILE_HEADER.unpack_from(data, 0) if len(data) >= 7 else (b"", 0, 0)
+    if ident != b":W&B" or magic != 0xBEE1 or version != 0:
+        raise CompareError(f"{name}: not a wandb transaction log (bad file header)")
+    pos, pending = _FILE_HEADER.size, b""
+    while pos + _RECORD_HEADER.size <= len(data):
+        if _BLOCK - pos % _BLOCK < _RECORD_HEADER.size:
+            pos += _BLOCK - pos % _BLOCK  # block trailer too short for a header: padding
+            continue
+        crc, length, kind = _RECORD_HEADER.unpack_from(data, pos)
+        payload = data[pos + _RECORD_HEADER.size : pos + _RECORD_HEADER.size + length]
+        if kind == 0 or len(payload) < length:
+            return  # zero fill or a record cut by a killed writer: the log ends here
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
+            return  # torn tail
+        pos += _RECORD_HEADER.size + length
+        if kind == _FULL:
+            yield payload
+        elif kind == _FIRST:
+            pending = payload
+        elif kind == _MIDDLE:
+            pending += payload
+        elif kind == _LAST:
+            yield pending + payload
+            pending = b""
+
+
+def read_wandb_file(path: Path) -> WandbSegment:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    segment = WandbSegment(path=path, run_id=path.stem.removeprefix("run-"), start_time=0.0)
+    for payload in _wandb_payloads(path.read_bytes(), str(path)):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            segment.run_id = record.run.run_id or segment.run_id
+            segment.tags = list(record.run.tags)
+            segment.start_time = (
+                record.run.start_time.ToSeconds() + record.run.start_time.nanos * 1e-9
+            )
+        elif kind == "history":
+            row = {}
+            for item in record.history.item:
+                key = item.key or ".".join(item.nested_key)
+                row[key] = json.loads(item.value_json)
+            row.setdefault("_step", record.history.step.num)
+            segment.rows.append(row)
+    return segment
+
+
+def read_wandb_segments(path: Path, run_id: str | None = None) -> list[WandbSegment]:
+    """All segments under `path` (a run's wandb directory, an offline-run-* directory, or a
+    run directory holding wandb/), oldest first: those of `run_id` if given, else those of
+    the one run id found there (several is an error)."""
+    name = f"run-{run_id}.wandb" if run_id else "*.wandb"
+    files = (
+        sorted(path.glob(name))
+        or sorted(path.glob(f"*/{name}"))
+        or sorted(path.glob(f"wandb/*/{name}"))
+    )
+    # wandb/latest-run is a symlink to one of the segments: read each file once.
+    files = sorted({f.resolve() for f in files})
+    segments = [read_wandb_file(f) for f in files]
+    ids = sorted({s.run_id for s in segments})
+    if len(ids) > 1:
+        raise CompareError(
+            f"{path}: holds wandb runs {', '.join(ids)}; pass one offline-run-* directory"
+        )
+    # Directory names carry the start time to the second; the run record is finer.
+    return sorted(segments, key=lambda s: (s.start_time, s.path.parent.name))
+
+
+# END wandb offline transaction logs
+# ======================================================================================
+
+
+# --------------------------------------------------------------------------------------
+# Comparing
+
+
+@dataclass
+class MetricDiff:
+    metric: str
+    reference: str
+    other: str
+    common_steps: int
+    only_reference: list[int]
+    only_other: list[int]
+    max_abs: float
+    max_rel: float
+    #: Step of the largest absolute difference (None without common steps).
+    max_abs_step: int | None
+    #: First common step where |other - ref| > atol + rtol * |ref| (None: none).
+    first_diff_step: int | None
+
+    def within(self, same_steps: bool) -> bool:
+        if self.common_steps == 0 or self.first_diff_step is not None:
+            return False
+        return not (same_steps and (self.only_reference or self.only_other))
+
+
+@dataclass
+class Report:
+    diffs: list[MetricDiff]
+    rtol: float
+    atol: float
+    same_steps: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(d.within(self.same_steps) for d in self.diffs)
+
+    def format(self) -> str:
+        tol = (
+            "bitwise"
+            if self.rtol == 0 and self.atol == 0
+            else f"rtol={self.rtol:g} atol={self.atol:g}"
+        )
+        lines = []
+        for d in self.diffs:
+            head = f"{d.metric}: {d.other} vs {d.reference}"
+            if d.common_steps == 0:
+                lines.append(f"{head}: no common steps")
+            else:
+                first = "none" if d.first_diff_step is None else f"step {d.first_diff_step}"
+                lines.append(
+                    f"{head}: {d.common_steps} common steps, max abs diff "
+                    f"{d.max_abs:.3e} (step {d.max_abs_step}), max rel diff "
+                    f"{d.max_rel:.3e}, first step beyond {tol}: {first}"
+                )
+            for label, steps in ((d.reference, d.only_reference), (d.other, d.only_other)):
+                if steps:
+                    lines.append(f"  only in {label}: {len(steps)} steps ({_span(steps)})")
+        return "\n".join(lines)
+
+
+def _span(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:5]))
+    return shown + (f", ... {steps[-1]}" if len(steps) > 5 else "")
+
+
+def metric_value(record: dict | None, metric: str) -> float | None:
+    """The metric as a float, or None where the record lacks it or it is not a number."""
+    value = None if record is None else record.get(metric)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def steps_with(run: Run, metric: str) -> set[int]:
+    """The steps of `run` that logged a number for `metric`."""
+    return {s for s, rec in run.items() if metric_value(rec, metric) is not None}
+
+
+def metric_names(runs: Mapping[str, Run]) -> set[str]:
+    return {
+        k
+        for r in runs.values()
+        for rec in r.values()
+        for k in rec
+        if metric_value(rec, k) is not None
+    }
+
+
+def compare(
+    runs: Mapping[str, Run] | Sequence[Run],
+    metrics: Sequence[str] = ("loss",),
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    same_steps: bool = False,
+) -> Report:
+    """Compare every run with the first one. `runs`: {label: {step: record}} or a list."""
+    if not isinstance(runs, Mapping):
+        runs = {f"run{i}": r for i, r in enumerate(runs)}
+    if len(runs) < 2:
+        raise CompareError("compare needs two or more runs")
+    labels = list(runs)
+    ref_label = labels[0]
+    diffs = []
+    for metric in metrics:
+        if not any(steps_with(r, metric) for r in runs.values()):
+            raise CompareError(
+                f"metric {metric!r} is in none of the runs; pick --metrics "
+                f"from: {', '.join(sorted(metric_names(runs)))}"
+            )
+        ref = runs[ref_label]
+        ref_steps = steps_with(ref, metric)
+        for label in labels[1:]:
+            other = runs[label]
+            other_steps = steps_with(other, metric)
+            common = sorted(ref_steps & other_steps)
+            max_abs, max_rel, max_abs_step, first = 0.0, 0.0, None, None
+            for step in common:
+                a, b = metric_value(ref[step], metric), metric_value(other[step], metric)
+                if a == b or (math.isnan(a) and math.isnan(b)):
+                    continue  # equal, or both diverged at the same step: agreement
+                diff = abs(b - a)
+                if not math.isfinite(diff):
+                    diff = math.inf  # a NaN or inf on one side only
+                rel = diff / abs(a) if a != 0 and math.isfinite(a) else math.inf
+                if max_abs_step is None or diff > max_abs:
+                    max_abs, max_abs_step = diff, step
+                max_rel = max(max_rel, rel)
+                tolerance = atol + rtol * abs(a) if math.isfinite(a) else atol
+                if first is None and diff > tolerance:
+                    first = step
+            if common and max_abs_step is None:
+                max_abs_step = common[0]
+            diffs.append(
+                MetricDiff(
+                    metric=metric,
+                    reference=ref_label,
+                    other=label,
+                    common_steps=len(common),
+                    only_reference=sorted(ref_steps - other_steps),
+                    only_other=sorted(other_steps - ref_steps),
+                    max_abs=max_abs,
+                    max_rel=max_rel,
+                    max_abs_step=max_abs_step,
+                    first_diff_step=first,
+                )
+            )
+    return Report(diffs=diffs, rtol=rtol, atol=atol, same_steps=same_steps)
