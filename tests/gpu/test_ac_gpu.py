@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from model import te_available
+from tests.harness.matrix import VARIANTS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,16 +25,6 @@ pytestmark = [
 
 #: Relative norm difference allowed per gradient (bf16 reductions may be ordered differently).
 GRAD_RTOL = 1e-3
-
-CASES = [
-    ("bf16", False),
-    ("fp8_delayed", False),
-    ("fp8_delayed", True),
-    ("fp8_cs", False),
-    ("fp8_cs", True),
-    ("fp8_block", False),
-    ("fp8_block", True),
-]
 
 
 def _run(recipe_name: str, quantized_init: bool, mode: str, every: int = 1):
@@ -69,7 +60,7 @@ def _run(recipe_name: str, quantized_init: bool, mode: str, every: int = 1):
     return loss1.item(), loss2.item(), grads
 
 
-@pytest.mark.parametrize("recipe_name,quantized_init", CASES)
+@pytest.mark.parametrize("recipe_name,quantized_init", VARIANTS)
 def test_activation_checkpointing_matches(recipe_name, quantized_init):
     from recipes import runnable_recipes
     from recipes.recipe import device_capability
