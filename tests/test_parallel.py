@@ -204,7 +204,7 @@ def _dcp_model(world, kw, seed, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if steps:  # one step creates the optimizer states that the checkpoint carries
         dp = (dims.dp_rank, dims.dp_size, dims.dp_group) if world > 1 else ()
-        train(model, cfg, batches(cfg, steps), *dp, opt=opt)
+        train(model, batches(cfg, steps), *dp, opt=opt)
     return model, opt
 
 

@@ -70,8 +70,8 @@ def rank_slice(data: torch.Tensor, step: int, dp_rank: int, dp_size: int) -> tor
     return data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
 
-def train(model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+def train(model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None, opt=None) -> list[float]:
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for step in range(data.shape[0]):
         seq = rank_slice(data, step, dp_rank, dp_size)
