@@ -30,7 +30,7 @@ torch:
 	@echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $(TORCH_SPEC) from" \
 	    "$(or $(TORCH_INDEX),pip's configured index) (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"
 	$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	@$(PYTHON) -c "import torch; cuda = torch.version.cuda; \
+	@$(PYTHON) -W ignore -c "import torch; cuda = torch.version.cuda; \
 	    print('== torch', torch.__version__, f'(CUDA {cuda})' if cuda else '(CPU build)'); \
 	    cuda and '$(HAS_GPU)' == 'no' and print('== note: a CUDA build (GBs of nvidia-* packages)', \
 	    'on a machine without a GPU; for the CPU build, start again in a fresh venv')"
