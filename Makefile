@@ -1,18 +1,61 @@
-# The README's commands. `make train` and `make test` each install what they need first.
+# The README's commands. `make train` and `make test` each install what they need first:
+# torch alone (a CPU build when this machine has no NVIDIA GPU), then the project and its
+# dependencies from pyproject.toml, whose `torch>=...` is then already met, so pip keeps that
+# torch instead of resolving the range to the CUDA build (several GB of nvidia-* packages).
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: setup setup-dev train test test-fast lint gpu-suite
+# --- which torch, from where (override any of these: `make train TORCH_INDEX=...`) -----------
+# HAS_GPU: yes when nvidia-smi lists a GPU (an NVIDIA driver is loaded and sees one), else no.
+HAS_GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo yes || echo no)
+HAS_GPU := $(HAS_GPU)
+# TORCH_SPEC: the requirement; by default pyproject.toml's own torch line.
+TORCH_SPEC ?= $(or $(shell sed -n 's/^[[:space:]]*"\(torch[<>=!~][^"]*\)",*$$/\1/p' pyproject.toml),torch)
+# TORCH_INDEX: the index it comes from; empty (TORCH_INDEX=) means pip's configured index
+# (PyPI, whose Linux torch is the CUDA build). No GPU: PyTorch's CPU-only index. GPU: its
+# CUDA 13.0 index (the build tested here; needs an NVIDIA driver >= 580, else pick cu126/cu128).
+ifeq ($(HAS_GPU),yes)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
+else
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+endif
 
-setup:
-	$(PIP) install -q -e .
+# Hydra overrides for `make train`, e.g. make train ARGS="train.steps=50"
+ARGS ?=
 
-setup-dev:
-	$(PIP) install -q -e ".[dev]"
+.PHONY: torch setup setup-dev setup-gpu train test test-fast lint gpu-suite
+
+# torch first and alone. pip shows what it downloads (no -q): the CPU build is ~200 MB.
+torch:
+	@echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $(TORCH_SPEC) from" \
+	    "$(or $(TORCH_INDEX),pip's configured index) (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"
+	$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@$(PYTHON) -W ignore -c "import torch; cuda = torch.version.cuda; \
+	    print('== torch', torch.__version__, f'(CUDA {cuda})' if cuda else '(CPU build)'); \
+	    cuda and '$(HAS_GPU)' == 'no' and print('== note: a CUDA build (GBs of nvidia-* packages)', \
+	    'on a machine without a GPU; for the CPU build, start again in a fresh venv')"
+
+setup: torch
+	$(PIP) install -e .
+
+setup-dev: torch
+	$(PIP) install -e ".[dev]"
+
+# GPU machine: torch with CUDA, then the project with TransformerEngine (the [gpu] extra). TE's
+# torch extension is a source distribution that imports the installed torch to build against it
+# (its CUDA version picks TE's core library), hence --no-build-isolation, which in turn needs
+# the build tools installed first (the [gpu-build] extra). See README, Install.
+setup-gpu: torch
+	@$(PYTHON) -c "import sys, torch; torch.version.cuda or sys.exit('setup-gpu: torch ' \
+	    + torch.__version__ + ' is a CPU build; TransformerEngine needs torch with CUDA')"
+	$(PIP) install -e ".[gpu-build]"
+	$(PIP) install --no-build-isolation -e ".[gpu]"
+	@$(PYTHON) -c "import transformer_engine as te, transformer_engine.pytorch; \
+	    print('== TransformerEngine', te.__version__)"
 
 # Embedded default: tiny Llama on Python's own source text, CPU or one GPU, ~2 minutes.
 train: setup
-	$(PYTHON) train.py
+	$(PYTHON) train.py $(ARGS)
 
 # CPU unit tests + multi-process gloo tests; `gpu` tests skip without CUDA + TE.
 test: setup-dev

@@ -3,6 +3,7 @@
 # Submits slurm/train.sbatch with a convergence preset (conf/experiment/) and this recipe;
 # extra arguments are Hydra overrides. GB200 nodes have 4 GPUs: GPUS_PER_NODE=4.
 #   slurm/examples/bf16.sh
+#   CONTAINER_IMAGE=$PWD/te-llama-26.03.sqsh slurm/examples/bf16.sh   # in the container
 #   EXPERIMENT=llama3_8b_fineweb NODES=4 slurm/examples/bf16.sh parallel=hsdp \
 #       parallel.dp_replicate=4
 set -euo pipefail

@@ -3,6 +3,7 @@
 # Submits slurm/train.sbatch with a convergence preset (conf/experiment/) and this recipe;
 # extra arguments are Hydra overrides. GB200 nodes have 4 GPUs: GPUS_PER_NODE=4.
 #   slurm/examples/fp8_block.sh
+#   CONTAINER_IMAGE=$PWD/te-llama-26.03.sqsh slurm/examples/fp8_block.sh   # in the container
 #   EXPERIMENT=llama3_8b_fineweb NODES=4 slurm/examples/fp8_block.sh parallel=hsdp \
 #       parallel.dp_replicate=4
 # Compare with the bf16 run of the same preset and layout:
