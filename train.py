@@ -27,12 +27,21 @@ from omegaconf import DictConfig, OmegaConf
 
 import compat
 from checkpoint import CheckpointManager, TrainState, training_state
+from checkpoint.hf import (
+    from_rank0,
+    hf_weight_files,
+    load_hf_weights,
+    read_hf_config,
+    resolve_init_from,
+)
+from checkpoint.manager import resumes
 from config import Config, register_configs, validate, validate_batch
 from data import build_loader, build_tokenizer
 from errors import ConfigError
 from logger import MetricsLogger
-from model import build_model, init_weights, resolve_impl, te_available
+from model import ModelConfig, build_model, init_weights, resolve_impl, te_available
 from model.flops import flops_per_token, peak_tflops
+from model.hf import model_config_for_hf
 from model.memory import parameter_storage
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from parallel import ParallelDims, parallelize
@@ -72,16 +81,50 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def model_source(cfg: Config, run_dir: Path) -> tuple[ModelConfig, Path | None]:
+    """Step 2 of `run`: the model config to build, and the Hugging Face folder to load its
+    weights from (None: the seeded init).
+
+    With model.init_from set, its config.json gives the shape (model=hf) or must agree with
+    the model config (model/hf.py `model_config_for_hf`). Resume wins: when the run will load a
+    checkpoint (checkpoint/manager.py `resumes`: checkpoint.resume is a path, or auto and the
+    run's checkpoint directory holds a complete one) the HF weights are neither fetched nor
+    loaded, only config.json is read; init_from is used when the run starts at step 0. Rank 0
+    decides and fetches first; the others wait for it (checkpoint/hf.py)."""
+    m = cfg.model
+    if not m.init_from:
+        if m.shape_from_hf:
+            raise ConfigError(
+                "model=hf takes the model shape from model.init_from; set "
+                "model.init_from=<Hugging Face folder or hub name>"
+            )
+        return m, None
+    resuming = from_rank0(lambda: resumes(cfg.checkpoint, run_dir))
+    folder = resolve_init_from(m.init_from, weights=not resuming)
+    mcfg = model_config_for_hf(m, read_hf_config(folder))
+    if resuming:
+        return mcfg, None
+    hf_weight_files(folder)  # present before anything is built
+    return mcfg, folder
+
+
 def build_parallel_model(
-    mcfg, impl: str, recipe: Recipe, dims: ParallelDims, device: torch.device, seed: int
+    mcfg,
+    impl: str,
+    recipe: Recipe,
+    dims: ParallelDims,
+    device: torch.device,
+    seed: int,
+    init_from: Path | None = None,
 ):
-    """Steps 3-5 of `run`. Returns the model and the amax-reduction group of its
+    """Steps 5-7 of `run`. Returns the model and the amax-reduction group of its
     per-tensor-scaled weights (None: no reduction), for `Recipe.attach_optimizer`.
 
-    3. Model on the meta device: no memory until the layout is known. The TE model gets the
+    5. Model on the meta device: no memory until the layout is known. The TE model gets the
        recipe (it is the one seam for precision).
-    4. Parallelize from outside the model: TP first, then FSDP2 (order in parallel/).
-    5. Materialize and initialize from the seed: same weights for every impl and layout.
+    6. Parallelize from outside the model: TP first, then FSDP2 (order in parallel/).
+    7. Materialize and initialize from the seed (same weights for every impl and layout), or
+       load the Hugging Face weights of `init_from` (each rank reads the entries it holds).
        Quantized parameters are cast from those values afterwards, with per-tensor amax
        reduced over exactly the ranks that hold pieces of each weight (never dp_replicate).
     """
@@ -98,7 +141,10 @@ def build_parallel_model(
     model = parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
     model.to_empty(device=device)
     model.reset_buffers()
-    init_weights(model, mcfg, seed)
+    if init_from is not None:
+        load_hf_weights(model, mcfg, init_from)
+    else:
+        init_weights(model, mcfg, seed)
     amax_group = recipe.prepare_weights(model, dims.weight_shard_group, dims.tp_group)
     return model, amax_group
 
@@ -177,7 +223,19 @@ def run(cfg: Config) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(cfg.train.device)
 
-    # 1. Config check: one clear line for any bad input, before processes, GPUs or data.
+    # 1. Processes. The group comes before the config check because step 2 runs on rank 0
+    #    first (a download) and decides the model shape the check needs.
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    # 2. Model source: Hugging Face weights (model.init_from) unless the run resumes from a
+    #    checkpoint; their config.json fills (model=hf) or checks the model config.
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    cfg.model, hf_weights = model_source(cfg, run_dir)
+
+    # 3. Config check: one clear line for any bad input, before GPU memory or data.
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     recipe = build_recipe(cfg.recipe, cfg.model.n_layers)
     tokenizer = build_tokenizer(cfg.data)
@@ -187,26 +245,24 @@ def run(cfg: Config) -> int:
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
 
-    # 2. Processes, mesh, and the fixes torch / TE need (compat/): the mesh object owns every
-    #    process group; the fixes go in before anything builds a module.
-    if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # 4. Mesh, and the fixes torch / TE need (compat/): the mesh object owns every process
+    #    group; the fixes go in before anything builds a module.
     dims.build_mesh(device.type)
     compat.apply_all()
     torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
 
-    # 3-5. Model: meta build, parallelize, materialize, initialize, quantize.
-    model, amax_group = build_parallel_model(cfg.model, impl, recipe, dims, device, cfg.train.seed)
+    # 5-7. Model: meta build, parallelize, materialize, initialize (or load init_from), quantize.
+    model, amax_group = build_parallel_model(
+        cfg.model, impl, recipe, dims, device, cfg.train.seed, init_from=hf_weights
+    )
 
-    # 6. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
+    # 8. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
     #    seeded from the exact pre-quantization values).
     optimizer = build_optimizer(model, cfg.optim, impl, recipe.fused_adam_kwargs())
     recipe.attach_optimizer(model, optimizer, amax_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
-    # 7. Data: each data-parallel rank reads its rows of one global batch order.
+    # 9. Data: each data-parallel rank reads its rows of one global batch order.
     loader = build_loader(
         cfg.data,
         tokenizer,
@@ -215,9 +271,8 @@ def run(cfg: Config) -> int:
         dp_size=dims.dp_size,
     )
 
-    # 8. Run directory, checkpoint resume, logger (in that order: the logger trims metrics
-    #    to the resumed step and reuses the wandb id stored in the checkpoint).
-    run_dir = Path(cfg.run.root) / cfg.run.name
+    # 10. Run directory, checkpoint resume, logger (in that order: the logger trims metrics
+    #     to the resumed step and reuses the wandb id stored in the checkpoint).
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     train_state = TrainState(config_yaml=config_yaml)
@@ -243,7 +298,9 @@ def run(cfg: Config) -> int:
         f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
         f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
         f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
-        f"run_dir={run_dir}" + (f" resumed_from_step={start_step}" if start_step else "")
+        f"run_dir={run_dir}"
+        + (f" init_from={cfg.model.init_from}" if hf_weights is not None else "")
+        + (f" resumed_from_step={start_step}" if start_step else "")
     )
     if device.type == "cpu" and n_params > 20e6:  # measured: model=small, 2 cores, 5 GB RSS
         logger.info("note: slow on CPU (model=small: ~1 min/step on 2 cores; model=tiny: 0.25 s)")
@@ -254,7 +311,7 @@ def run(cfg: Config) -> int:
             "checkpoint.resume=none to start over"
         )
 
-    # 9. Train.
+    # 11. Train.
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = cfg.train.peak_tflops or (

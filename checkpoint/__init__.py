@@ -11,7 +11,8 @@
 Files: manager.py (policy: when, how, where, resume), state.py (what is saved), store.py
 (directories, manifest, commit, prune), planners.py (DCP planners for DTensors whose local
 shard is several blocks), te_state.py (TE scaling state and optimizer states DCP cannot take
-as TE leaves them).
+as TE leaves them), hf.py (Hugging Face weights: model.init_from into the sharded model, and a
+committed checkpoint exported as an HF folder).
 """
 
 from checkpoint.config import MODES, CheckpointConfig

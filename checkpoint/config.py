@@ -22,8 +22,6 @@ class CheckpointConfig:
     #: (a step_XXXXXXX directory, or a directory holding them: its newest complete one).
     resume: str = "auto"
     save_at_end: bool = True
-    #: Also write Hugging Face safetensors (+ config.json) at the end of the run.
-    export_hf: bool = False
     #: Record a CRC32 of every file in the manifest (rank 0 re-reads the files after each save,
     #: in the background for async modes) and check it on resume. Without it, resume checks
     #: file presence and sizes, which catches truncation but not bit flips.

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from checkpoint import store
 from checkpoint.config import MODES, CheckpointConfig
 from checkpoint.planners import BlockLoadPlanner, BlockSavePlanner
-from checkpoint.state import ModelState, TrainState
+from checkpoint.state import TrainState
 from errors import ConfigError
 
 # Single-process runs save and load without a process group on purpose.
@@ -96,6 +96,24 @@ def model_shape_mismatches(saved_yaml: str | None, current_yaml: str | None) -> 
         for f in SHAPE_FIELDS
         if f in saved and f in current and saved[f] != current[f]
     ]
+
+
+def checkpoint_root(cfg: CheckpointConfig, run_dir: str | Path) -> Path:
+    """Where this run's step directories go: checkpoint.dir, relative to the run directory."""
+    root = Path(cfg.dir).expanduser()
+    return root if root.is_absolute() else Path(run_dir) / root
+
+
+def resumes(cfg: CheckpointConfig, run_dir: str | Path) -> bool:
+    """Whether `CheckpointManager.resume` will load a checkpoint (it may still refuse a damaged
+    or mismatched one): checkpoint.resume is a path, or auto and this run's checkpoint
+    directory holds a complete checkpoint. Filesystem only; for rank 0 to decide."""
+    spec = str(cfg.resume)
+    if spec == "none":
+        return False
+    if spec == "auto":
+        return store.newest_complete(checkpoint_root(cfg, run_dir)) is not None
+    return True
 
 
 def _flatten(request: dict) -> dict[str, Any]:
@@ -177,8 +195,7 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.run_dir = Path(run_dir)
-        root = Path(cfg.dir).expanduser()
-        self.root = root if root.is_absolute() else self.run_dir / root
+        self.root = checkpoint_root(cfg, self.run_dir)
         self.saving = cfg.mode != "none"
         self._log = (
             log
@@ -472,39 +489,15 @@ class CheckpointManager:
 
     def finish(self, step: int, state: Mapping[str, Any], save: bool = True) -> None:
         """End of training: save `step` (checkpoint.save_at_end, unless `save=False` or it was
-        just saved), wait for in-flight async saves, export HF weights if asked, close."""
+        just saved), wait for in-flight async saves, close."""
         if self._closed:
             return
         if save and self.saving and self.cfg.save_at_end and step != self._last_saved_step:
             self.save(step, state)
         self._wait_pending()
-        if save and self.cfg.export_hf:
-            self.export_hf(state)
         if self._dist:
             dist.barrier(group=self._pg)
         self.close()
-
-    def export_hf(self, state: Mapping[str, Any]) -> Path:
-        """Full (gathered) model weights as Hugging Face safetensors in <run_dir>/hf."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from model.hf import save_hf
-
-        part = _find(state, ModelState)
-        model = part.model
-        sd = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        out = self.run_dir / "hf"
-        if self.rank == 0:
-            sd = {
-                k: (v.dequantize() if hasattr(v, "dequantize") else v)
-                for k, v in sd.items()
-                if not k.endswith("_extra_state")
-            }
-            save_hf(sd, model.cfg, out)
-            self._log(f"Hugging Face weights written to {out}")
-        return out
 
     def close(self) -> None:
         if self._closed:

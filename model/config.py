@@ -38,6 +38,13 @@ class ModelConfig:
     #: Std of the normal init of linear and embedding weights; output projections
     #: (attention proj, fc2) are scaled by 1/sqrt(2 * n_layers).
     init_std: float = 0.02
+    #: Start from Hugging Face weights instead of the seeded init: a local folder or a hub
+    #: name (checkpoint/hf.py). Not read when the run resumes from a checkpoint.
+    init_from: str | None = None
+    #: true (conf/model/hf.yaml): dim, n_layers, heads, ffn_dim, vocab_size, norm_eps, RoPE,
+    #: tie_embeddings and max_seq_len come from init_from's config.json at start-up; false:
+    #: with init_from set, they must agree with it.
+    shape_from_hf: bool = False
 
     @property
     def head_dim(self) -> int:

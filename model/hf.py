@@ -1,4 +1,4 @@
-"""Conversion between our checkpoint layout and Hugging Face `LlamaForCausalLM`.
+"""Our parameter layout vs Hugging Face `LlamaForCausalLM`: names, rows and config.
 
 Per block i, ours (model/llama.py) under `layers.i.`, HF's under `model.layers.i.`:
 
@@ -13,23 +13,28 @@ plus embed.weight, norm.weight, lm_head.weight <-> model.embed_tokens.weight,
 model.norm.weight, lm_head.weight. Our QKV weight interleaves Q, K and V by KV group
 (model/llama.py `interleave_qkv`); HF's query head h reads KV head h // (n_heads / n_kv_heads),
 the same grouping, so the conversion only regroups rows. Both use rotate-half RoPE, so Q and K
-need no permutation.
-Our embedding and head have `padded_vocab_size` rows, HF's `vocab_size`: export drops the
-padding rows, import fills them with zeros. Tied models have no lm_head.weight on either side
-(HF ties it on load).
+need no permutation. Our embedding and head have `padded_vocab_size` rows, HF's `vocab_size`:
+the padding rows are zeros on import and dropped on export. Tied models have no
+lm_head.weight on our side; HF files of tied models may or may not carry one (ignored).
 
-    cfg, sd = load_hf("path/to/Llama-3.2-1B")   # local HF dir -> (ModelConfig, our state dict)
-    model.load_state_dict(sd, strict=False)     # strict=False: TE modules add _extra_state
-    save_hf(model.state_dict(), cfg, "out/hf")  # safetensors (sharded) + config.json
+Every difference is a regrouping of rows (dim 0); columns always match. So one table,
+`weight_layout(cfg)`, says for each of our parameters which rows of which HF tensor each run
+of its rows holds (`Rows`), and both directions read it:
+
+- import (`fill_from_hf`): write the part of a parameter that one rank holds, given the global
+  indices of its local entries, reading only the HF rows (and columns) it covers. The reader
+  is a function, so checkpoint/hf.py reads lazily from safetensors files and
+  `from_hf_state_dict` from tensors in memory;
+- export (`hf_tensor`): one HF tensor as the concatenation of our row runs that map to it.
+
+File I/O (init_from, the export command) is in checkpoint/hf.py.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-import os
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,9 +42,8 @@ from torch.distributed.tensor import DTensor
 from errors import ConfigError
 from model.config import ModelConfig, RopeScalingConfig
 from model.init import canonical_name
-from model.llama import interleave_qkv, split_qkv
 
-# (our suffix, HF suffix) inside one transformer block, excluding the fused QKV and fc1.
+# (our suffix, HF suffix) inside one transformer block: the tensors that map one to one.
 _BLOCK_NAMES = (
     ("self_attention.layernorm_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("self_attention.proj.weight", "self_attn.o_proj.weight"),
@@ -50,30 +54,26 @@ _QKV = "self_attention.layernorm_qkv.weight"
 _Q, _K, _V = (f"self_attn.{x}_proj.weight" for x in "qkv")
 _FC1 = "layernorm_mlp.fc1_weight"
 _GATE, _UP = "mlp.gate_proj.weight", "mlp.up_proj.weight"
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+#: HF tensors that hold no weights of the model: RoPE caches of old checkpoints.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, start + count) of one of our parameters are rows
+    [hf_start, hf_start + count) of the HF tensor `hf_name`; hf_name None: vocabulary padding
+    (zeros on import, not exported)."""
+
+    start: int
+    count: int
+    hf_name: str | None
+    hf_start: int = 0
 
 
-def _check_keys(got: set[str], want: set[str], what: str) -> None:
-    missing, unexpected = sorted(want - got), sorted(got - want)
-    if missing or unexpected:
-        raise ConfigError(
-            f"{what} does not match the model config (missing: {missing[:4]}, unexpected: "
-            f"{unexpected[:4]}); check model.n_layers / model.tie_embeddings against the checkpoint"
-        )
-
-
-def _check_shape(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
-    if tuple(t.shape) != shape:
-        raise ConfigError(
-            f"{name} has shape {tuple(t.shape)}, the model config expects {shape}; "
-            "check the model.* sizes against the checkpoint"
-        )
-
-
-def _our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Global shape of each of our parameters (both implementations, any layout)."""
     hd, v = cfg.head_dim, cfg.padded_vocab_size
     block = {
         "self_attention.layernorm_qkv.layer_norm_weight": (cfg.dim,),
@@ -83,12 +83,142 @@ def _our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         _FC1: (2 * cfg.ffn_dim, cfg.dim),
         "layernorm_mlp.fc2_weight": (cfg.dim, cfg.ffn_dim),
     }
-    shapes = {"embed.weight": (v, cfg.dim), "norm.weight": (cfg.dim,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (v, cfg.dim)
+    shapes = {"embed.weight": (v, cfg.dim)}
     for i in range(cfg.n_layers):
         shapes.update({f"layers.{i}.{k}": s for k, s in block.items()})
+    shapes["norm.weight"] = (cfg.dim,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (v, cfg.dim)
     return shapes
+
+
+def weight_layout(cfg: ModelConfig) -> dict[str, tuple[Rows, ...]]:
+    """For each of our parameters, its rows as runs of HF tensor rows (in row order)."""
+    hd, q_per_kv, ffn = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cfg.ffn_dim
+    shapes = our_shapes(cfg)
+
+    def vocab(hf_name: str) -> tuple[Rows, ...]:
+        v, pad = cfg.vocab_size, cfg.padded_vocab_size - cfg.vocab_size
+        return (Rows(0, v, hf_name),) + ((Rows(v, pad, None),) if pad else ())
+
+    layout: dict[str, tuple[Rows, ...]] = {"embed.weight": vocab(_EMBED)}
+    for i in range(cfg.n_layers):
+        p, hp = f"layers.{i}.", f"model.layers.{i}."
+        for ours, hf in _BLOCK_NAMES:
+            layout[p + ours] = (Rows(0, shapes[p + ours][0], hp + hf),)
+        qkv = []
+        for g in range(cfg.n_kv_heads):  # group g: its query heads, key head g, value head g
+            base = g * (q_per_kv + 2) * hd
+            qkv += [
+                Rows(base, q_per_kv * hd, hp + _Q, g * q_per_kv * hd),
+                Rows(base + q_per_kv * hd, hd, hp + _K, g * hd),
+                Rows(base + (q_per_kv + 1) * hd, hd, hp + _V, g * hd),
+            ]
+        layout[p + _QKV] = tuple(qkv)
+        layout[p + _FC1] = (Rows(0, ffn, hp + _GATE), Rows(ffn, ffn, hp + _UP))
+    layout["norm.weight"] = (Rows(0, cfg.dim, "model.norm.weight"),)
+    if not cfg.tie_embeddings:
+        layout["lm_head.weight"] = vocab(_HEAD)
+    return layout
+
+
+def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, Rows]]]:
+    """The inverse table: each HF tensor -> [(our name, Rows)] in HF row order."""
+    sources: dict[str, list[tuple[str, Rows]]] = {}
+    for ours, runs in weight_layout(cfg).items():
+        for r in runs:
+            if r.hf_name is not None:
+                sources.setdefault(r.hf_name, []).append((ours, r))
+    for runs in sources.values():
+        runs.sort(key=lambda x: x[1].hf_start)
+    return sources
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each HF tensor of the model (the names a LlamaForCausalLM file holds)."""
+    shapes = our_shapes(cfg)
+    return {
+        hf: (sum(r.count for _, r in runs), *shapes[runs[0][0]][1:])
+        for hf, runs in hf_sources(cfg).items()
+    }
+
+
+def is_ignored(hf_name: str) -> bool:
+    return hf_name.endswith(IGNORED_SUFFIXES)
+
+
+def check_hf_names(names, shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig, what: str):
+    """`names` (the tensors an HF state dict or folder holds) against the model: one
+    ConfigError naming missing and unexpected tensors. A tied model ignores lm_head.weight."""
+    have = {n for n in names if not is_ignored(n)}
+    if cfg.tie_embeddings:
+        have.discard(_HEAD)
+    missing, unexpected = sorted(set(shapes) - have), sorted(have - set(shapes))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{what} does not match the model config (missing: {missing[:4]}, unexpected: "
+            f"{unexpected[:4]}); check model.n_layers / model.tie_embeddings against it"
+        )
+
+
+def check_shape(shape, want: tuple[int, ...], name: str) -> None:
+    if tuple(shape) != tuple(want):
+        raise ConfigError(
+            f"{name} has shape {tuple(shape)}, the model config expects {tuple(want)}; "
+            "check the model.* sizes against the checkpoint"
+        )
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Contiguous runs of a list of global indices: (local start, local end, global start)."""
+    if index.numel() == 0:
+        return []
+    breaks = (torch.nonzero(index.diff() != 1).flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, index.numel()]
+    return [(s, e, int(index[s])) for s, e in zip(starts, ends)]
+
+
+#: get(hf_name, rows, cols) -> those rows (and columns; cols is None for 1-D tensors).
+Reader = Callable[[str, slice, "slice | None"], torch.Tensor]
+
+
+@torch.no_grad()
+def fill_from_hf(
+    out: torch.Tensor, runs: tuple[Rows, ...], index: list[torch.Tensor], get: Reader
+) -> None:
+    """Write into `out` the HF values of the entries it holds. `out` is all of one of our
+    parameters or one rank's part of it; index[d] lists the global indices of its entries
+    along dim d in local order (checkpoint/planners.py `local_global_indices` for a DTensor).
+    Only the HF rows and columns that `out` covers are read, in contiguous blocks; values are
+    cast to out's dtype and device."""
+    col_runs = _runs(index[1]) if out.ndim == 2 else [None]
+    for local_start, local_end, first in _runs(index[0]):
+        last = first + (local_end - local_start)
+        for r in runs:
+            a, b = max(first, r.start), min(last, r.start + r.count)
+            if a >= b:
+                continue
+            dst = slice(local_start + a - first, local_start + b - first)
+            if r.hf_name is None:
+                out[dst].zero_()
+                continue
+            src = slice(r.hf_start + a - r.start, r.hf_start + b - r.start)
+            for c in col_runs:
+                if c is None:
+                    out[dst].copy_(get(r.hf_name, src, None))
+                else:
+                    c0, c1, g0 = c
+                    out[dst, c0:c1].copy_(get(r.hf_name, src, slice(g0, g0 + c1 - c0)))
+
+
+def hf_tensor(runs: list[tuple[str, Rows]], ours: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """One HF tensor from full tensors of ours: its row runs (an `hf_sources` entry), in order."""
+    parts = [ours[name][r.start : r.start + r.count] for name, r in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -96,74 +226,45 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
 
     TE `_extra_state` entries and wrapper prefixes (torch.compile, activation checkpointing) are
     ignored. DTensors are gathered with full_tensor(), a collective: call it on every rank.
-    Tensors that need no reshaping are returned as they are (not copied).
+    Tensors that need no regrouping are returned as views of the input (not copied).
     """
     ours = {canonical_name(k): _full(v) for k, v in sd.items() if not k.endswith("_extra_state")}
-    shapes = _our_shapes(cfg)
-    _check_keys(set(ours), set(shapes), "state dict")
+    shapes = our_shapes(cfg)
+    missing, unexpected = sorted(set(shapes) - set(ours)), sorted(set(ours) - set(shapes))
+    if missing or unexpected:
+        raise ConfigError(
+            f"state dict does not match the model config (missing: {missing[:4]}, unexpected: "
+            f"{unexpected[:4]}); check model.n_layers / model.tie_embeddings against it"
+        )
     for k, s in shapes.items():
-        _check_shape(ours[k], s, k)
-
-    v = cfg.vocab_size
-    out = {
-        "model.embed_tokens.weight": ours["embed.weight"][:v],
-        "model.norm.weight": ours["norm.weight"],
-    }
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = ours["lm_head.weight"][:v]
-    for i in range(cfg.n_layers):
-        p, hp = f"layers.{i}.", f"model.layers.{i}."
-        for ours_name, hf_name in _BLOCK_NAMES:
-            out[hp + hf_name] = ours[p + ours_name]
-        q, k, v = split_qkv(ours[p + _QKV], cfg.n_heads, cfg.n_kv_heads)
-        out[hp + _Q], out[hp + _K], out[hp + _V] = q, k, v
-        gate, up = ours[p + _FC1].chunk(2, dim=0)
-        out[hp + _GATE], out[hp + _UP] = gate, up
-    return out
+        check_shape(ours[k].shape, s, k)
+    return {hf: hf_tensor(runs, ours) for hf, runs in hf_sources(cfg).items()}
 
 
 def from_hf_state_dict(
     hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM state dict -> ours (the reference model's state_dict keys).
+    """HF LlamaForCausalLM state dict -> ours (full tensors, the reference model's keys), through
+    the same `fill_from_hf` that loads sharded models. Vocabulary padding rows are zeros."""
+    shapes = hf_shapes(cfg)
+    check_hf_names(hf_sd, shapes, cfg, "HF state dict")
+    for k, s in shapes.items():
+        check_shape(hf_sd[k].shape, s, k)
 
-    Embedding / head rows beyond `cfg.vocab_size` are zeros. With tied embeddings a present
-    lm_head.weight is ignored (HF keeps it as an alias of the embedding).
-    """
-    # Old checkpoints carry RoPE caches as buffers; they hold no weights.
-    hf = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_embeddings:
-        hf.pop("lm_head.weight", None)
-    want = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        want.add("lm_head.weight")
-    for i in range(cfg.n_layers):
-        hp = f"model.layers.{i}."
-        want.update(hp + hf_name for _, hf_name in _BLOCK_NAMES)
-        want.update(hp + x for x in (_Q, _K, _V, _GATE, _UP))
-    _check_keys(set(hf), want, "HF state dict")
+    def get(name, rows, cols):
+        t = hf_sd[name][rows]
+        return t if cols is None else t[:, cols]
 
-    def padded(t: torch.Tensor, name: str) -> torch.Tensor:
-        _check_shape(t, (cfg.vocab_size, cfg.dim), name)
-        pad = t.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, cfg.dim)
-        return torch.cat([t, pad], dim=0)
-
-    out = {"embed.weight": padded(hf["model.embed_tokens.weight"], "model.embed_tokens.weight")}
-    for i in range(cfg.n_layers):
-        p, hp = f"layers.{i}.", f"model.layers.{i}."
-        for ours_name, hf_name in _BLOCK_NAMES:
-            out[p + ours_name] = hf[hp + hf_name]
-        _check_shape(hf[hp + _Q], (cfg.n_heads * cfg.head_dim, cfg.dim), hp + _Q)
-        for name in (_K, _V):
-            _check_shape(hf[hp + name], (cfg.n_kv_heads * cfg.head_dim, cfg.dim), hp + name)
-        out[p + _QKV] = interleave_qkv(hf[hp + _Q], hf[hp + _K], hf[hp + _V], cfg.n_kv_heads)
-        out[p + _FC1] = torch.cat([hf[hp + _GATE], hf[hp + _UP]], dim=0)
-    out["norm.weight"] = hf["model.norm.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = padded(hf["lm_head.weight"], "lm_head.weight")
-    for k, s in _our_shapes(cfg).items():
-        _check_shape(out[k], s, k)
+    dtype, layout = hf_sd[_EMBED].dtype, weight_layout(cfg)
+    out = {}
+    for name, shape in our_shapes(cfg).items():
+        out[name] = torch.empty(shape, dtype=dtype)
+        fill_from_hf(out[name], layout[name], [torch.arange(s) for s in shape], get)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Config.
 
 
 def _rope_scaling_dict(cfg: ModelConfig) -> dict | None:
@@ -179,8 +280,13 @@ def _rope_scaling_dict(cfg: ModelConfig) -> dict | None:
     }
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None):
-    """A `transformers.LlamaConfig` describing the same model (no tokenizer ids are set)."""
+def hf_config(
+    cfg: ModelConfig,
+    dtype: torch.dtype | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+):
+    """A `transformers.LlamaConfig` describing the same model."""
     from transformers import LlamaConfig, PretrainedConfig
 
     kwargs = dict(
@@ -202,8 +308,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None):
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
-        bos_token_id=None,
-        eos_token_id=None,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
         architectures=["LlamaForCausalLM"],
     )
     if dtype is not None:
@@ -278,79 +384,54 @@ def model_config_from_hf(hf_cfg, name: str = "hf") -> ModelConfig:
     )
 
 
-def _standalone(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor owning its storage: safetensors refuses views that share storage
-    (vocab slices, gate/up halves); whole tensors are not copied again."""
-    t = t.detach().cpu().contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
+#: The model fields a Hugging Face config.json determines: `model=hf` takes them from it,
+#: any other model config must agree with it (max_seq_len is taken, never compared: training
+#: on shorter sequences than the model supports is fine).
+HF_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_embeddings",
+)
 
 
-def save_hf(
-    model_sd: Mapping[str, torch.Tensor],
-    cfg: ModelConfig,
-    out_dir: str | os.PathLike,
-    dtype: torch.dtype | None = None,
-    max_shard_bytes: int = 5 * 2**30,
-) -> None:
-    """Write `out_dir` as an HF model directory: config.json + safetensors (sharded past 5 GiB).
-
-    dtype: cast the weights (e.g. torch.bfloat16); None keeps them as they are.
-    """
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_sd = to_hf_state_dict(model_sd, cfg)
-    hf_sd = {k: _standalone(v.to(dtype) if dtype else v) for k, v in hf_sd.items()}
-    first = next(iter(hf_sd.values()))
-    hf_config(cfg, dtype=dtype or first.dtype).save_pretrained(out)
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in hf_sd.items():
-        nbytes = v.numel() * v.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / fname, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(v.numel() * v.element_size() for v in hf_sd.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def load_hf(
-    path: str | os.PathLike, name: str | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a local HF Llama directory -> (ModelConfig, state dict in our names), on CPU."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise ConfigError(f"{root} has no config.json; pass a local Hugging Face model directory")
-    cfg = model_config_from_hf(
-        json.loads((root / "config.json").read_text()), name=name or root.name
-    )
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
+def model_config_for_hf(cfg: ModelConfig, hf_json: Mapping) -> ModelConfig:
+    """The model config to build for `cfg.init_from`, whose config.json is `hf_json`: with
+    `shape_from_hf` (model=hf) the HF_FIELDS and max_seq_len are taken from it; otherwise they
+    must agree with it (one ConfigError listing every difference)."""
+    try:
+        hf = model_config_from_hf(hf_json, name=cfg.name)
+    except ConfigError as e:
+        raise ConfigError(f"model.init_from={cfg.init_from}: {e}") from None
+    if cfg.shape_from_hf:
+        return replace(cfg, max_seq_len=hf.max_seq_len, **{f: getattr(hf, f) for f in HF_FIELDS})
+    diffs = []
+    for f in HF_FIELDS:
+        ours, theirs = getattr(cfg, f), getattr(hf, f)
+        if ours == theirs:
+            continue
+        if f == "rope_scaling" and ours is not None and theirs is not None:
+            diffs += [
+                f"model.{f}.{k}={v} (config.json: {w})"
+                for k, v, w in ((k, getattr(ours, k), getattr(theirs, k)) for k in vars(ours))
+                if v != w
+            ]
+        else:
+            none = "null (no scaling)"
+            diffs.append(
+                f"model.{f}={none if ours is None else ours} "
+                f"(config.json: {none if theirs is None else theirs})"
+            )
+    if diffs:
         raise ConfigError(
-            f"{root} has no *.safetensors weights; convert .bin checkpoints to safetensors first"
+            f"model.init_from={cfg.init_from}: the model config differs from its config.json: "
+            f"{', '.join(diffs)}; set those fields to config.json's values, or use model=hf to "
+            "take the shape from config.json"
         )
-    hf_sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        hf_sd.update(load_file(root / f, device="cpu"))
-    return cfg, from_hf_state_dict(hf_sd, cfg)
+    return cfg

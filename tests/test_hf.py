@@ -1,4 +1,6 @@
-"""Reference Llama vs Hugging Face LlamaForCausalLM with the same weights (model/hf.py).
+"""Reference Llama vs Hugging Face LlamaForCausalLM with the same weights (model/hf.py); the
+file side (init_from, export, tokenizer) in process (checkpoint/hf.py); tests/test_hf_io.py
+runs them through train.py on 2 processes.
 
 Tiny config with GQA, Llama-3 RoPE scaling that changes frequencies at the tested length,
 and a vocabulary that needs padding; both tied and untied embeddings.
@@ -11,12 +13,13 @@ from transformers import LlamaForCausalLM
 from config import ConfigError
 from model.config import ModelConfig, RopeScalingConfig
 from model.hf import (
+    fill_from_hf,
     from_hf_state_dict,
     hf_config,
-    load_hf,
+    model_config_for_hf,
     model_config_from_hf,
-    save_hf,
     to_hf_state_dict,
+    weight_layout,
 )
 from model.init import init_weights
 from model.llama import Llama
@@ -243,75 +246,171 @@ def test_kv_head_mismatch_names_the_projection():
         from_hf_state_dict(hf_sd, mqa)
 
 
-@pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000], ids=["one-file", "sharded"])
+def test_fill_from_hf_reads_only_the_entries_asked_for():
+    """A rank's part of a parameter: any global rows (here two runs, as fc1's [gate_r; up_r]
+    under TP, reaching into the vocabulary padding for the embedding) and columns."""
+    cfg = tiny_cfg(False)
+    torch.manual_seed(5)
+    hf_sd = hf_model(cfg).state_dict()
+    full = from_hf_state_dict(hf_sd, cfg)
+    layout = weight_layout(cfg)
+    read_rows = []
+
+    def get(name, rows, cols):
+        read_rows.append(rows.stop - rows.start)
+        t = hf_sd[name][rows]
+        return t if cols is None else t[:, cols]
+
+    for name in (
+        "embed.weight",
+        "layers.1.self_attention.layernorm_qkv.weight",
+        "layers.0.layernorm_mlp.fc1_weight",
+        "layers.0.layernorm_mlp.fc2_weight",
+        "norm.weight",
+    ):
+        t = full[name]
+        n = t.shape[0]
+        rows = torch.cat([torch.arange(5, n // 2 - 7), torch.arange(n // 2 + 3, n - 2)])
+        index = [rows] + ([torch.arange(10, 40)] if t.ndim == 2 else [])
+        out = torch.full((len(rows), *([30] if t.ndim == 2 else [])), float("nan"))
+        read_rows.clear()
+        fill_from_hf(out, layout[name], index, get)
+        want = t[rows] if t.ndim == 1 else t[rows][:, 10:40]
+        assert torch.equal(out, want), name
+        assert sum(read_rows) <= len(rows), name  # nothing outside the part is read
+
+
+def test_model_config_taken_from_or_checked_against_config_json():
+    cfg = tiny_cfg(True)
+    d = hf_config(cfg).to_dict()
+    hf = ModelConfig(name="hf", init_from="x", shape_from_hf=True, pad_vocab_multiple=64)
+    filled = model_config_for_hf(hf, d)
+    for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "norm_eps"):
+        assert getattr(filled, f) == getattr(cfg, f), f
+    assert filled.rope_scaling == cfg.rope_scaling and filled.tie_embeddings
+    assert filled.max_seq_len == cfg.max_seq_len
+    assert (filled.name, filled.pad_vocab_multiple, filled.init_from) == ("hf", 64, "x")
+
+    same = ModelConfig(**{**cfg.__dict__, "init_from": "x"})
+    assert model_config_for_hf(same, d) is same
+    other = ModelConfig(**{**cfg.__dict__, "init_from": "x", "dim": 128, "n_layers": 4})
+    with pytest.raises(ConfigError) as e:
+        model_config_for_hf(other, d)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "model.dim=128 (config.json: 64)" in msg and "model.n_layers=4 (config.json: 2)" in msg
+    assert "model=hf" in msg
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_save_load_files(tmp_path, tied, shard_bytes):
+def test_load_hf_weights_from_save_pretrained(tmp_path, tied):
+    """transformers' own sharded safetensors folder -> our model, one process."""
+    from checkpoint.hf import load_hf_weights
+
     cfg = tiny_cfg(tied)
-    ours = ours_model(cfg)
-    save_hf(ours.state_dict(), cfg, tmp_path, max_shard_bytes=shard_bytes)
-    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
-    assert (len(shards) > 1) == (shard_bytes < 2**20), shards
-    assert (tmp_path / "model.safetensors.index.json").exists() == (len(shards) > 1)
-
-    loaded_cfg, sd = load_hf(tmp_path, name=cfg.name)
-    assert loaded_cfg == cfg
-    expected = from_hf_state_dict(to_hf_state_dict(ours.state_dict(), cfg), cfg)
-    assert set(sd) == set(expected)
-    for k in sd:
-        assert torch.equal(sd[k], expected[k]), k
-
-    # transformers itself reads the directory and gives the same logits.
-    hf = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
-    tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(6)
+    hf = hf_model(cfg)
     with torch.no_grad():
-        diff = (hf(tokens).logits - ours(tokens)[..., : cfg.vocab_size]).abs().max().item()
-    assert diff < 1e-4, diff
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = Llama(cfg)
+    load_hf_weights(ours, cfg, tmp_path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = ours.eval()(tokens)
+        diff = (got[..., : cfg.vocab_size] - hf(tokens).logits).abs().max().item()
+    print(f"load_hf_weights ({'tied' if tied else 'untied'}): max abs logits diff {diff:.3e}")
+    assert diff < 1e-5
+    assert torch.equal(got[..., cfg.vocab_size :], torch.zeros_like(got[..., cfg.vocab_size :]))
 
 
-def test_save_hf_casts_dtype(tmp_path):
+def test_load_hf_weights_names_a_wrong_folder(tmp_path):
+    from checkpoint.hf import load_hf_weights
+
+    hf_model(tiny_cfg(True)).save_pretrained(tmp_path)  # tied: the file has no lm_head
     cfg = tiny_cfg(False)
-    save_hf(ours_model(cfg).state_dict(), cfg, tmp_path, dtype=torch.bfloat16)
-    _, sd = load_hf(tmp_path)
-    assert {t.dtype for t in sd.values()} == {torch.bfloat16}
+    with pytest.raises(ConfigError, match=r"missing: \['lm_head.weight'\]"):
+        load_hf_weights(Llama(cfg), cfg, tmp_path)
+    wider = ModelConfig(**{**tiny_cfg(True).__dict__, "ffn_dim": 128})
+    with pytest.raises(
+        ConfigError,
+        match=r"down_proj.weight has shape \(64, 96\), the model config expects \(64, 128\)",
+    ):
+        load_hf_weights(Llama(wider), wider, tmp_path)
+    hf_model(tiny_cfg(True)).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    (tmp_path / "sharded" / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"lacks model-00002-of-00004.safetensors \(listed in"):
+        load_hf_weights(Llama(tiny_cfg(True)), tiny_cfg(True), tmp_path / "sharded")
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ConfigError, match=r"no \*.safetensors"):
+        load_hf_weights(Llama(tiny_cfg(True)), tiny_cfg(True), tmp_path)
 
 
-def test_convert_cli_round_trip(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+def test_init_from_resolution(tmp_path, monkeypatch):
+    import huggingface_hub
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "convert_hf.py"
-    spec = importlib.util.spec_from_file_location("convert_hf", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from checkpoint import hf as hfio
 
-    cfg = tiny_cfg(False)
-    yaml = tmp_path / "model.yaml"
-    yaml.write_text(tool.model_yaml(cfg))
-    assert tool.load_model_config(str(yaml)) == cfg
-    src = tmp_path / "ours.pt"
-    torch.save(ours_model(cfg).state_dict(), src)
+    assert hfio.resolve_init_from(str(tmp_path), weights=True) == tmp_path  # local: as is
+    calls = []
 
-    rc = tool.main(
-        ["export", str(src), str(tmp_path / "hf"), "--model", str(yaml), "--dtype", "bf16"]
-    )
-    assert rc == 0
-    rc = tool.main(
-        [
-            "import",
-            str(tmp_path / "hf"),
-            str(tmp_path / "back.pt"),
-            "--name",
-            cfg.name,
-            "--model-yaml",
-            str(tmp_path / "back.yaml"),
-        ]
-    )
-    assert rc == 0
-    assert tool.load_model_config(str(tmp_path / "back.yaml")) == cfg
-    sd, back = torch.load(src), torch.load(tmp_path / "back.pt")
-    assert set(back) == set(sd)
-    for k in sd:
-        assert torch.equal(back[k][: cfg.vocab_size], sd[k][: cfg.vocab_size].bfloat16()), k
+    def fake(repo_id, allow_patterns, local_files_only):
+        calls.append((repo_id, allow_patterns, local_files_only))
+        return str(tmp_path)
 
-    assert tool.main(["export", str(src), str(tmp_path / "x"), "--model", "no_such_model"]) == 2
-    assert "no such conf/model name" in capsys.readouterr().err
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert hfio.resolve_init_from("org/llama", weights=True) == tmp_path
+    assert hfio.resolve_init_from("org/llama", weights=False) == tmp_path
+    assert calls == [
+        ("org/llama", ["*.json", "*.safetensors", "tokenizer*"], False),
+        ("org/llama", ["config.json"], False),
+    ]
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ConfigError, match=r"model.init_from=org/llama .*OSError: We couldn't"):
+        hfio.resolve_init_from("org/llama", weights=True)
+    with pytest.raises(ConfigError, match="no such folder"):
+        hfio.resolve_init_from(str(tmp_path / "missing"), weights=True)
+
+
+def test_byte_tokenizer_json_gives_byte_tokenizer_ids(tmp_path):
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from checkpoint.hf import _byte_symbols, byte_tokenizer
+    from data.tokenizer import ByteTokenizer
+
+    assert len(set(_byte_symbols())) == 256
+    assert set(_byte_symbols()) == set(pre_tokenizers.ByteLevel.alphabet())
+    byte_tokenizer(64).save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    ref = ByteTokenizer()
+    assert (len(tok), tok.bos_token_id, tok.eos_token_id) == (258, ref.bos_id, ref.eos_id)
+    assert tok.convert_tokens_to_ids(_byte_symbols()) == list(range(256))
+    texts = [
+        "def f(x):\n\treturn x  # plain ASCII, spaces  and tabs",
+        "naïve café, Größe, Ωμέγα, 日本語, emoji 🙂👍🏽",
+        "\x00\x01\x7f control bytes and text that looks special: <|bos|> <|eos|>",
+        " leading space",
+        "",
+    ]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == text
+    assert tok.decode([256, 104, 105, 257], skip_special_tokens=True) == "hi"
+
+
+def test_unsupported_init_from_names_the_field():
+    d = hf_config(tiny_cfg(False)).to_dict()
+    d["hidden_act"] = "gelu"
+    with pytest.raises(ConfigError, match=r"^model.init_from=x: HF config: hidden_act='gelu'"):
+        model_config_for_hf(ModelConfig(init_from="x", shape_from_hf=True), d)
