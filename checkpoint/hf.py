@@ -9,7 +9,7 @@ In (train.py steps 2 and 7):
 
 Every rank reads only the entries its parameters hold: for each parameter (a DTensor under
 any layout, fc1's _StridedShard under TP included, or a plain tensor) the global indices of its
-local entries along each dim (checkpoint/planners.py `local_global_indices`, the same reading
+local entries along each dim (parallel/indices.py `local_global_indices`, the same reading
 of placements DCP uses) are mapped to HF rows by model/hf.py's layout table, and read as
 blocks with `safe_open(...).get_slice(name)[rows, cols]`. Nothing goes through TE-specific
 code: both implementations have the same parameter names and placements, and TE weights of a
@@ -47,7 +47,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from checkpoint import store
-from checkpoint.planners import local_global_indices
 from errors import ConfigError
 from model.config import ModelConfig
 from model.hf import (
@@ -62,6 +61,7 @@ from model.hf import (
     weight_layout,
 )
 from model.init import canonical_name
+from parallel.indices import local_global_indices
 
 #: What a hub download of init_from fetches: configs, weights, tokenizer files.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]

@@ -32,43 +32,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-
-def _chunk_padded(t: torch.Tensor, n: int) -> list[torch.Tensor]:
-    # torch.chunk may return fewer than n pieces; DTensor pads with empty ones.
-    parts = list(t.chunk(n))
-    return parts + [t[:0]] * (n - len(parts))
-
-
-def local_global_indices(dt: DTensor) -> list[torch.Tensor]:
-    """For each tensor dim, the global indices of this rank's local entries, in local order
-    (DTensor's left-to-right reading of Shard and _StridedShard placements)."""
-    idx = [torch.arange(s) for s in dt.shape]
-    coord = dt.device_mesh.get_coordinate()
-    for mesh_dim, p in enumerate(dt.placements):
-        n, c = dt.device_mesh.size(mesh_dim), coord[mesh_dim]
-        if isinstance(p, _StridedShard):
-            groups = _chunk_padded(idx[p.dim], p.split_factor)
-            idx[p.dim] = torch.cat([_chunk_padded(g, n)[c] for g in groups])
-        elif isinstance(p, Shard):
-            idx[p.dim] = _chunk_padded(idx[p.dim], n)[c]
-    return idx
-
-
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Contiguous runs of a global index list: (local_start, local_end, global_start)."""
-    if index.numel() == 0:
-        return []
-    breaks = (torch.nonzero(index.diff() != 1).flatten() + 1).tolist()
-    starts, ends = [0, *breaks], [*breaks, index.numel()]
-    return [(s, e, int(index[s])) for s, e in zip(starts, ends)]
+from parallel.indices import contiguous_runs, local_global_indices
 
 
 def _blocks(dt: DTensor):
     """[(global offsets, sizes, local slices)] of the contiguous blocks of the local shard."""
-    per_dim = [_runs(i) for i in local_global_indices(dt)]
+    per_dim = [contiguous_runs(i) for i in local_global_indices(dt)]
     blocks = [((), (), ())]
     for runs in per_dim:
         blocks = [

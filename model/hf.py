@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from errors import ConfigError
 from model.config import ModelConfig, RopeScalingConfig
 from model.init import canonical_name
+from parallel.indices import contiguous_runs
 
 # (our suffix, HF suffix) inside one transformer block: the tensors that map one to one.
 _BLOCK_NAMES = (
@@ -169,15 +170,6 @@ def check_shape(shape, want: tuple[int, ...], name: str) -> None:
         )
 
 
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Contiguous runs of a list of global indices: (local start, local end, global start)."""
-    if index.numel() == 0:
-        return []
-    breaks = (torch.nonzero(index.diff() != 1).flatten() + 1).tolist()
-    starts, ends = [0, *breaks], [*breaks, index.numel()]
-    return [(s, e, int(index[s])) for s, e in zip(starts, ends)]
-
-
 #: get(hf_name, rows, cols) -> those rows (and columns; cols is None for 1-D tensors).
 Reader = Callable[[str, slice, "slice | None"], torch.Tensor]
 
@@ -188,11 +180,11 @@ def fill_from_hf(
 ) -> None:
     """Write into `out` the HF values of the entries it holds. `out` is all of one of our
     parameters or one rank's part of it; index[d] lists the global indices of its entries
-    along dim d in local order (checkpoint/planners.py `local_global_indices` for a DTensor).
+    along dim d in local order (parallel/indices.py `local_global_indices` for a DTensor).
     Only the HF rows and columns that `out` covers are read, in contiguous blocks; values are
     cast to out's dtype and device."""
-    col_runs = _runs(index[1]) if out.ndim == 2 else [None]
-    for local_start, local_end, first in _runs(index[0]):
+    col_runs = contiguous_runs(index[1]) if out.ndim == 2 else [None]
+    for local_start, local_end, first in contiguous_runs(index[0]):
         last = first + (local_end - local_start)
         for r in runs:
             a, b = max(first, r.start), min(last, r.start + r.count)

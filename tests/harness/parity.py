@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 import compat
-from checkpoint.planners import local_global_indices
 from config import OptimConfig, compose_config
 from errors import ConfigError
 from model.config import ModelConfig
@@ -48,6 +47,7 @@ from model.init import full_init_value
 from optim import build_optimizer
 from parallel import ParallelConfig, ParallelDims
 from parallel.dims import LAYOUTS
+from parallel.indices import local_global_indices
 from recipes import build_recipe
 from recipes.config import RecipeConfig
 from train import build_parallel_model, train_step
