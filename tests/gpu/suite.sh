@@ -6,6 +6,8 @@
 #   bash tests/gpu/suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather
 #   bash tests/gpu/suite.sh matrix        # 4 GPUs: every recipe x layout x checkpoint mode, resume bitwise
 #                                         # (MATRIX_LAYOUTS="tp fsdp_tp", MATRIX_RECIPES="fp8_cs" for a subset)
+#   bash tests/gpu/suite.sh step          # training-step table (tools/bench_step.py): llama3_1b on 1 GPU,
+#                                         # llama3_8b FSDP on 2 (STEP_CASES="model:layout:recipe:ac:mbs ..." for others)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
 #
@@ -56,6 +58,31 @@ save() {
             run.root=/tmp/gpu-suite run.name="save-$mode" checkpoint.resume=none > "$OUT/save_$mode.log" 2>&1 || status=1
         grep -h "saved (" "$OUT/save_$mode.log" | tail -3
     done
+}
+
+# shellcheck disable=SC2329
+step() {
+    local n=1 cases=()
+    read -r -a cases <<< "${STEP_CASES:-}"
+    if [[ ${#cases[@]} -eq 0 ]]; then
+        if [[ $NGPU -ge 2 ]]; then
+            n=2
+            cases=(llama3_8b:fsdp:bf16:none:1 llama3_8b:fsdp:fp8_delayed:none:1
+                   llama3_8b:fsdp:fp8_cs:none:1 llama3_8b:fsdp:bf16:full:1
+                   llama3_8b:fsdp:fp8_cs:full:1 llama3_8b:fsdp:bf16:full/2:1)
+        else
+            cases=(llama3_1b:fsdp:bf16:none:4 llama3_1b:fsdp:fp8_delayed:none:4
+                   llama3_1b:fsdp:fp8_cs:none:4 llama3_1b:fsdp:fp8_cs+q:none:4
+                   llama3_1b:fsdp:fp8_block:none:4 llama3_1b:fsdp:bf16:full:4
+                   llama3_1b:fsdp:fp8_cs:full:4)
+        fi
+    fi
+    stage "training step, seq 8192, $n GPU(s): tokens/s per GPU, MFU, peak memory"
+    local args=()
+    for c in "${cases[@]}"; do args+=(--case "$c"); done
+    # shellcheck disable=SC2086  # STEP_OVERRIDES are words
+    "$PY" tools/bench_step.py --nproc "$n" "${args[@]}" --json "$OUT/bench_step.json" \
+        ${STEP_OVERRIDES:-} 2>&1 | tee "$OUT/bench_step.log" | tail -$((${#cases[@]} + 3)) || status=1
 }
 
 # shellcheck disable=SC2329
@@ -154,8 +181,8 @@ scale() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|multi|matrix|scale) "$what" ;;
-        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|multi|matrix|scale) "$what" ;;
+        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step ..." >&2; exit 2 ;;
     esac
 done
 exit $status
