@@ -3,14 +3,14 @@
 | gap | upstream | detect | fix | test |
 | --- | --- | --- | --- | --- |
 | QuantizedTensor has no `untyped_storage`: FSDP2's `reset_sharded_param` after a DCP load compares storages and dereferences an invalid one | TE PR 2974 (in 2.20) | the class defines `untyped_storage` | `ensure_quantized_tensor_storage` | tests/gpu/test_checkpoint_gpu.py::test_untyped_storage_fix_needed_for_fsdp2_load |
-| FusedAdam's fused FP8 kernel (delayed-scaling Float8Tensor parameters, master weights) rewrites the FP8 bytes in place but leaves the cached FP8 transpose valid; on Hopper the next backward's dgrad GEMM reads the transpose of the previous step's weights, so training drifts and a resume (fresh transpose) is not bitwise | none found (TE 2.20.2) | `fused_adam_leaves_stale_fp8_transpose`: one FusedAdam step on a 32x32 Float8Tensor | `ensure_fused_adam_fp8_cache_reset` | tests/gpu/test_recipes_gpu.py::test_fused_adam_fp8_step_leaves_no_stale_transpose |
+| FusedAdam's fused FP8 kernel (delayed-scaling Float8Tensor parameters, master weights) rewrites the FP8 bytes in place but leaves the cached FP8 transpose valid; on Hopper the next backward's dgrad GEMM reads the transpose of the previous step's weights, so training drifts and a resume (fresh transpose) is not bitwise | none found (TE 2.20.2) | not probed at start-up (it takes an FP8 forward and backward); the test asserts the gap with TE's own step | `ensure_fused_adam_fp8_cache_reset` (harmless where TE resets the cache itself) | tests/gpu/test_recipes_gpu.py::test_fused_adam_fp8_step_leaves_no_stale_transpose |
 | FSDP2 x tensor parallel: from the second all-gather on, torch passes the unsharded parameter as `out=` to `fsdp_post_all_gather`, and for a TP weight that is a DTensor (`'DTensor' object has no attribute '_quantizer'`); for a weight FSDP shards along dim 1 (fc1 under TP) the gathered buffer arrives viewed as (world x rows, cols / world) | TE PR 2713 (DTensor weights, unmerged) | per call: the wrapper acts only on a DTensor `out` or a buffer whose shape disagrees with `out` | `ensure_post_all_gather_dtensor_out` (`wrap_post_all_gather`) | tests/test_compat_te.py |
 | FSDP2 dim-1 sharding of FP8 128x128-block weights | see compat/fsdp2.py | compat/fsdp2.py | `ensure_dim1_block_gather` | tests/test_compat_fsdp2.py |
 
 Detection is by what the installed TE does or defines, never by its version number or its
-source text. A probe that cannot decide (an exception inside it) applies the fix: every fix
-here is harmless where TE no longer needs it (marking a cache stale only costs recomputing it;
-the wrapper passes through arguments TE handles). Nothing here imports TE at module level: CPU
+source text. Every fix here is harmless where TE no longer needs it (marking a cache stale
+only costs recomputing it; the wrapper passes through arguments TE handles), and each test
+asserts the gap with TE alone, so a TE release that closes one makes its test fail. Nothing here imports TE at module level: CPU
 runs never touch it. The gaps that belong to checkpointing (DelayedScaling `_extra_state`,
 FusedAdam optimizer states before TE PR 2795) are handled in checkpoint/te_state.py.
 """
@@ -80,70 +80,27 @@ def reset_fp8_weight_caches(optimizer: torch.optim.Optimizer) -> int:
     return count
 
 
-def fused_adam_leaves_stale_fp8_transpose() -> bool:
-    """One FusedAdam step (fp32 masters) on a 32x32 delayed-scaling Float8Tensor that carries
-    its transpose: True when the transpose still claims to be valid but is not the transpose
-    of the new bytes. False on GPUs without FP8 (no such weights exist there)."""
-    import transformer_engine.pytorch as te
-    import transformer_engine_torch as tex
-    from transformer_engine.pytorch.optimizers import FusedAdam
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
-    from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
-
-    if not te.is_fp8_available():
-        return False
-    device = torch.device("cuda")
-    quantizer = Float8Quantizer(
-        torch.ones(1, device=device),
-        torch.zeros(1, device=device),
-        tex.DType.kFloat8E4M3,
-        rowwise=True,
-        columnwise=True,
-    )
-    gen = torch.Generator(device=device).manual_seed(0)
-    weight = torch.nn.Parameter(quantizer(torch.randn(32, 32, device=device, generator=gen)))
-    # What a backward leaves behind on GPUs whose FP8 GEMMs need it: the cached transpose.
-    weight.update_usage(rowwise_usage=True, columnwise_usage=True)
-    if weight._transpose is None or weight._transpose_invalid:
-        if not is_non_tn_fp8_gemm_supported():
-            raise RuntimeError("the probe's Float8Tensor has no cached transpose")
-        return False  # this GPU's FP8 GEMMs never read a cached transpose
-    weight.grad = torch.randn(32, 32, device=device, generator=gen, dtype=weight.dtype)
-    optimizer = FusedAdam([weight], lr=0.5, master_weights=True, master_weight_dtype=torch.float32)
-    before = weight._data.clone()
-    optimizer.step()
-    if torch.equal(before, weight._data):
-        raise RuntimeError("the probe's FusedAdam step left the FP8 bytes unchanged")
-    transpose = weight._transpose
-    if transpose is None or weight._transpose_invalid:
-        return False
-    return not torch.equal(transpose, weight._data.t().contiguous())
-
-
 def ensure_fused_adam_fp8_cache_reset() -> bool:
-    """Wrap FusedAdam.step so the FP8 params it rewrote in place drop their cached transposes,
-    where the probe shows TE's step does not. True if patched."""
-    if "fused_adam_fp8_cache" in _APPLIED:
-        return _APPLIED["fused_adam_fp8_cache"]
-    try:
-        needed = fused_adam_leaves_stale_fp8_transpose()
-    except Exception as e:  # an inconclusive probe applies the (harmless) fix
-        log.warning("compat.te: FusedAdam FP8 probe failed (%s); applying the cache reset", e)
-        needed = True
-    if needed:
-        from transformer_engine.pytorch.optimizers import FusedAdam
+    """Wrap FusedAdam.step so the FP8 params it rewrote in place drop their cached transposes.
+    Applied whenever TE is present: seeing the gap takes an FP8 forward and backward under
+    te.autocast (the backward builds the cache), too much global FP8 state for a start-up
+    probe; tests/gpu/test_recipes_gpu.py runs exactly that with TE's own step and asserts the
+    gap, so that test fails the day TE resets the cache itself. True if patched (now or
+    before)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
 
-        original = FusedAdam.step
+    if hasattr(FusedAdam.step, "__wrapped__"):
+        return True
+    original = FusedAdam.step
 
-        def step(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            reset_fp8_weight_caches(self)
-            return out
+    def step(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        reset_fp8_weight_caches(self)
+        return out
 
-        step.__wrapped__ = original
-        FusedAdam.step = step
-    _APPLIED["fused_adam_fp8_cache"] = needed
-    return needed
+    step.__wrapped__ = original
+    FusedAdam.step = step
+    return True
 
 
 # -- fsdp_post_all_gather with a DTensor `out` (TE PR 2713) ----------------------------------
