@@ -65,6 +65,28 @@ class OptimConfig:
     eps: float = 1e-8
     #: Max global grad norm (0 disables clipping).
     grad_clip: float = 1.0
+    #: Length of the warmup + cosine schedule in optimizer steps; past it the lr stays at
+    #: lr * min_lr_ratio. null: train.steps. Set it to the old train.steps to extend a run
+    #: without changing its schedule (README, Resume).
+    schedule_steps: int | None = None
+
+
+@dataclass
+class EvalConfig:
+    #: Loss on held-out data every `every` steps and at the last step (0: no evaluation, and
+    #: no documents held out of training).
+    every: int = 0
+    #: Held-out global batches (train.global_batch_size sequences each) per evaluation: the
+    #: same batches every time, whatever the training position.
+    batches: int = 4
+
+
+@dataclass
+class ResumeConfig:
+    #: Fields (dotted, e.g. optim.lr) or whole groups (optim) whose change against the
+    #: checkpoint's config a resume accepts on purpose; the fields that change the training
+    #: otherwise refuse to resume (`RESUME_FREE` lists those that may change freely).
+    accept: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +97,12 @@ class WandbConfig:
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    #: What a resumed run does about steps wandb got past the checkpoint: rewind (online: the
+    #: run is rewound to the checkpoint's step, `wandb.init(resume_from=...)`, and records go
+    #: to wandb as they are logged), hold (records wait until a committed checkpoint covers
+    #: them, so nothing needs rewinding), auto (rewind when online and the installed wandb
+    #: has resume_from, else hold).
+    resume: str = "auto"
 
 
 @dataclass
@@ -93,6 +121,8 @@ class Config:
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     logger: LoggerConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     #: Free-form experiment metadata (conf/experiment presets may set it).
     experiment: dict[str, Any] = field(default_factory=dict)
 
@@ -121,6 +151,7 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
 IMPLS = ("auto", "te", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
+WANDB_RESUME = ("auto", "rewind", "hold")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -161,6 +192,10 @@ def validate(cfg: Config) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
     _require(o.eps > 0, f"optim.eps={o.eps} must be > 0")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables)")
+    _require(
+        o.schedule_steps is None or o.schedule_steps > 0,
+        f"optim.schedule_steps={o.schedule_steps} must be > 0 (or null: train.steps)",
+    )
     _one_of(m.impl, IMPLS, "model.impl")
     for name in (
         "dim",
@@ -203,6 +238,28 @@ def validate(cfg: Config) -> None:
         f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1",
     )
     _one_of(cfg.logger.wandb.mode, WANDB_MODES, "logger.wandb.mode")
+    _one_of(cfg.logger.wandb.resume, WANDB_RESUME, "logger.wandb.resume")
+    _require(
+        cfg.logger.wandb.resume != "rewind" or cfg.logger.wandb.mode == "online",
+        f"logger.wandb.resume=rewind needs logger.wandb.mode=online (mode is "
+        f"{cfg.logger.wandb.mode}; offline runs cannot be rewound); use logger.wandb.resume=hold "
+        "or auto",
+    )
+    e = cfg.eval
+    _require(e.every >= 0, f"eval.every={e.every} must be >= 0 (0: no evaluation)")
+    _require(e.batches >= 1, f"eval.batches={e.batches} must be >= 1")
+    if e.every > 0:
+        _require(
+            d.eval_split is None or d.name == "hf",
+            f"data.eval_split={d.eval_split!r} needs data=hf (data=embedded has one split and "
+            "holds out data.eval_fraction of its documents); set data.eval_split=null",
+        )
+        _require(
+            d.eval_split is not None or 0 < d.eval_fraction <= 0.5,
+            f"data.eval_fraction={d.eval_fraction} must be in (0, 0.5] with eval.every > 0 "
+            "(the share of documents held out of training for evaluation)",
+        )
+    check_accept(cfg.resume.accept)
 
 
 def validate_batch(cfg: Config, dp_size: int) -> int:
@@ -222,3 +279,221 @@ def validate_batch(cfg: Config, dp_size: int) -> int:
         "change one of them",
     )
     return t.global_batch_size // per_step
+
+
+# --------------------------------------------------------------------------------------
+# Presets: `experiment=<name>` must name a file of conf/experiment/
+
+
+def experiment_presets() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def check_experiment_overrides(args: Sequence[str]) -> None:
+    """Command-line `experiment=` overrides (also `+experiment=`, and sweeps `a,b`) against
+    conf/experiment/. The group is optional in the defaults list, so Hydra itself would
+    compose a misspelled preset as no preset at all; this runs before Hydra composes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    presets = experiment_presets()
+    for arg in args:
+        if arg.lstrip("+").split("=", 1)[0] != "experiment" or "=" not in arg:
+            continue
+        try:
+            override = OverridesParser.create().parse_override(arg)
+            if override.is_sweep_override():
+                values = list(override.sweep_string_iterator())
+            else:
+                values = [override.get_value_element_as_str()]
+        except Exception:
+            continue  # not parseable: Hydra reports it with its own message
+        for value in values:
+            if value not in presets and value != "null":
+                raise ConfigError(
+                    f"experiment={value} is not a preset of conf/experiment/; choose one of: "
+                    f"{', '.join(presets)}"
+                )
+
+
+# --------------------------------------------------------------------------------------
+# Config changes on resume (README, Resume)
+
+#: Fields a resume may change freely: where the run executes, how it is split over devices,
+#: what it records and when it stops. A name ending in "." covers a whole group. Every other
+#: field changes what is computed ("math") and refuses to resume unless `resume.accept`
+#: names it. train.steps only says where to stop: the schedule's length is compared as
+#: optim.schedule_steps (null means train.steps), and the held-out documents as the
+#: effective data.eval_fraction (0 while nothing is held out).
+RESUME_FREE = (
+    "run.",
+    "train.steps",
+    "train.micro_batch_size",
+    "train.log_every",
+    "train.peak_tflops",
+    "train.profile_steps",
+    "parallel.name",
+    "parallel.dp_replicate",
+    "parallel.dp_shard",
+    "parallel.tp",
+    "parallel.cp",
+    "parallel.reshard_after_forward",
+    "parallel.sequence_parallel",
+    "parallel.activation_checkpointing",
+    "parallel.activation_checkpointing_every",
+    "checkpoint.",
+    "logger.",
+    "eval.",
+    "resume.",
+    "experiment.",
+    "data.num_proc",
+    "data.cache_dir",
+    "data.eval_split",
+)
+
+_ABSENT = "<absent>"
+
+
+def _covers(name: str, path: str) -> bool:
+    name = name.rstrip(".")
+    return path == name or path.startswith(name + ".")
+
+
+def is_free_on_resume(path: str) -> bool:
+    return any(_covers(name, path) for name in RESUME_FREE)
+
+
+def schema_defaults() -> dict:
+    """The whole config with every group's dataclass defaults, as plain containers."""
+    from omegaconf import OmegaConf
+
+    from model.config import ModelConfig
+
+    cfg = Config(
+        model=ModelConfig(),
+        recipe=RecipeConfig(),
+        parallel=ParallelConfig(),
+        checkpoint=CheckpointConfig(),
+        data=DataConfig(),
+        optim=OptimConfig(),
+        logger=LoggerConfig(),
+    )
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def _paths(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        out.add(path)
+        if isinstance(v, dict):
+            out |= _paths(v, path + ".")
+    return out
+
+
+def check_accept(names: Sequence[str]) -> None:
+    """Every `resume.accept` entry names a config field or group."""
+    known = _paths(schema_defaults())
+    for name in names:
+        if name not in known and not _covers("experiment", name):
+            raise ConfigError(
+                f"resume.accept: {name!r} is not a config field; name fields as in the "
+                "config (resume.accept=[optim.lr]) or whole groups (resume.accept=[optim])"
+            )
+
+
+@dataclass
+class Change:
+    """One field whose value differs between the checkpoint's config and this run's."""
+
+    path: str
+    old: Any
+    new: Any
+    #: Other names that accept it (the field the user edited, when `path` is derived).
+    via: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def free(self) -> bool:
+        return is_free_on_resume(self.path)
+
+    def accepted_by(self, names: Sequence[str]) -> bool:
+        return any(_covers(n, p) for n in names for p in (self.path, *self.via))
+
+    def __str__(self) -> str:
+        return f"{self.path} {self.old} -> {self.new}" + (f" ({self.note})" if self.note else "")
+
+
+def _merge_defaults(defaults: Any, saved: Any) -> Any:
+    if isinstance(defaults, dict) and isinstance(saved, dict):
+        out = dict(saved)
+        for k, v in defaults.items():
+            out[k] = _merge_defaults(v, saved[k]) if k in saved else v
+        return out
+    return saved
+
+
+def _effective(tree: dict) -> dict:
+    """Replace fields whose meaning depends on others by what they amount to."""
+    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+    optim, train, data = tree.get("optim", {}), tree.get("train", {}), tree.get("data", {})
+    if optim.get("schedule_steps") is None:
+        optim["schedule_steps"] = train.get("steps")
+    holding = (tree.get("eval") or {}).get("every", 0) > 0 and not data.get("eval_split")
+    data["eval_fraction"] = data.get("eval_fraction") if holding else 0.0
+    return tree
+
+
+def _diff(old: Any, new: Any, path: str, out: list[Change]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in [*new, *(k for k in old if k not in new)]:
+            _diff(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{path}.{k}" if path else k, out)
+    elif new is _ABSENT or new == _ABSENT:
+        return  # a field this code no longer has: nothing to compare it with
+    elif old != new:
+        out.append(Change(path, old, new))
+
+
+def config_changes(saved_yaml: str, current_yaml: str) -> list[Change]:
+    """Every field that differs between two resolved configs (train.py's config.yaml text),
+    on their effective values; fields the saved config predates count as their default."""
+    import yaml
+
+    defaults = schema_defaults()
+    saved = _effective(_merge_defaults(defaults, yaml.safe_load(saved_yaml) or {}))
+    current = _effective(_merge_defaults(defaults, yaml.safe_load(current_yaml) or {}))
+    changes: list[Change] = []
+    _diff(saved, current, "", changes)
+    old_steps = (saved.get("train") or {}).get("steps")
+    for c in changes:
+        if c.path == "optim.schedule_steps":
+            c.via = ("train.steps",)
+            c.note = (
+                f"the schedule's length; set optim.schedule_steps={c.old} to keep the "
+                "schedule and continue at its final lr"
+                if old_steps == c.old
+                else "the schedule's length"
+            )
+        elif c.path == "data.eval_fraction":
+            c.via = ("eval.every", "data.eval_split")
+            c.note = "documents held out of training for evaluation"
+    return changes
+
+
+def check_resume(
+    saved_yaml: str | None, current_yaml: str, accept: Sequence[str], step: int
+) -> list[Change]:
+    """Compare this run's config with the checkpoint's. Returns the accepted changes of
+    fields that change the training; raises ConfigError (one line) for any other."""
+    if not saved_yaml:
+        return []  # a checkpoint saved without its config: nothing to compare
+    math = [c for c in config_changes(saved_yaml, current_yaml) if not c.free]
+    refused = [c for c in math if not c.accepted_by(accept)]
+    if refused:
+        names = ",".join(c.path for c in refused)
+        raise ConfigError(
+            f"resume: this config changes the training against the checkpoint's (step {step}): "
+            f"{'; '.join(map(str, refused))}; resume with the checkpoint's values, accept "
+            f"the change on purpose with resume.accept=[{names}], or start a separate run "
+            "with another run.name"
+        )
+    return math

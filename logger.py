@@ -1,27 +1,40 @@
 """Metrics: one line per log step on stdout, one JSON record per log step in
 <run_dir>/metrics.jsonl, and optionally wandb. Only rank 0 writes.
 
-Resuming from step S keeps the records with step <= S and drops the rest: what a run logged
-after its last complete checkpoint is superseded by the resumed run, so metrics.jsonl always
-holds one record per step of the loss curve the checkpoints describe.
+Every record carries `time` (Unix seconds when it was logged). Resuming from step S keeps
+the records with step <= S and drops the rest: what a run logged after its last complete
+checkpoint is superseded by the resumed run, so metrics.jsonl always holds one record per
+step of the loss curve the checkpoints describe.
 
 wandb gets the same curve, as one wandb run per training run across all its resumes (the
-id is kept in <run_dir>/wandb_run_id and in the checkpoint; resume="allow"), tagged with
-the model, recipe and layout. wandb history cannot be rewritten (`resume_from=
-"<id>?_step=<n>"` rewinds are online-only and a private preview), so records past the last
-committed checkpoint are held back: a record goes to wandb once a checkpoint covering its
-step is complete (`commit(step)`, or a later record carrying the checkpoint manager's
-`save_step`), and `finish` sends the rest. A run that dies loses at most the held records,
-and its resume re-sends them from metrics.jsonl, so every step reaches wandb exactly once,
-with the value of the run that continued. The trade-off: wandb trails the latest step by up
-to checkpoint.interval steps (stdout and metrics.jsonl are live). Without checkpoints
-(checkpoint=none) nothing can be resumed and records go to wandb at once. On resume, the
-last step wandb already has comes from the run's own offline transaction logs (offline) or
-from the server (online), which also covers records a killed process never flushed (wandb
-buffers about 32 KiB in memory).
+id is kept in <run_dir>/wandb_run_id and in the checkpoint), tagged with the model, recipe
+and layout; its config is this segment's effective config. What happens to the steps wandb
+got past the checkpoint a run resumes from is `logger.wandb.resume`:
+
+- rewind (auto's choice online, when the installed wandb has `wandb.init(resume_from=...)`):
+  records go to wandb as they are logged (live), and a resumed run opens the wandb run with
+  `resume_from="<id>?_step=<S>"`, which truncates its history to the checkpoint's step.
+  If the server refuses the rewind (it is a preview feature that must be enabled for the
+  account), the logger says so in one line and falls back to hold for this segment.
+- hold (auto's choice offline, where nothing can be rewound): a record goes to wandb once
+  a checkpoint covering its step is committed (`commit(step)`, or a later record carrying
+  the checkpoint manager's `save_step`), and `finish` sends the rest. A run that dies loses
+  at most the held records, and its resume sends them from metrics.jsonl, so every step
+  reaches wandb once, with the value of the run that continued. wandb then trails the
+  latest step by up to checkpoint.interval steps; held records are sent with their own
+  time (`_timestamp` = the record's `time`), not the time they were sent.
+
+Without checkpoints (checkpoint=none) nothing can be resumed and records go to wandb at
+once. On resume, the steps wandb already has come from the server (online:
+`run.starting_step`) or, offline, from <run_dir>/wandb_sent.json, a small file this logger
+rewrites after handing records to wandb ({"run_id", "step"}: the last step handed over);
+the steps after it, up to the checkpoint, are sent from metrics.jsonl. wandb's own files
+are never read. (Offline, a record handed to wandb is in its transaction log once wandb's
+service has written it; a kill of that service itself, not only of the trainer, can lose
+its last buffered records from the offline log. metrics.jsonl keeps them.)
 
 Offline runs (logger.wandb.mode=offline) leave one directory per job under <run_dir>/wandb/
-(offline-run-<time>-<id>) with disjoint, increasing steps; upload them later as one run with
+(offline-run-<time>-<id>) with increasing steps; upload them later as one run with
 `wandb sync <run_dir>/wandb/offline-run-*` (segments of one run id are synced in start-time
 order, each resuming the run).
 """
@@ -35,25 +48,45 @@ import string
 import time
 from pathlib import Path
 
-from config import LoggerConfig
-from runlog import CompareError, read_metrics, read_wandb_segments
+from config import LoggerConfig, WandbConfig
+from errors import ConfigError
+from runlog import read_metrics
 
+#: (key, label, format) of the step line after "step <n>/<total>", in order.
 LINE_FIELDS = [
-    ("step", "{:>6d}"),
-    ("loss", "{:.4f}"),
-    ("grad_norm", "{:.3f}"),
-    ("lr", "{:.2e}"),
-    ("tokens_per_s", "{:,.0f}"),
-    ("mfu", "{:.1%}"),
-    ("mem_gb", "{:.2f}"),
+    ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val_loss", "{:.4f}"),
+    ("grad_norm", "grad_norm", "{:.3f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("tokens_per_s", "tokens_per_s", "{:,.0f}"),
+    ("mfu", "mfu", "{:.1%}"),
+    ("step_time_s", "step_time", "{:.3f}s"),
+    ("eta_s", "eta", None),
+    ("mem_gb", "mem_gb", "{:.2f}"),
 ]
 
+SENT_FILE = "wandb_sent.json"
 
-def format_line(record: dict) -> str:
-    parts = []
-    for key, fmt in LINE_FIELDS:
-        if record.get(key) is not None:
-            parts.append(f"{key} {fmt.format(record[key])}")
+
+def format_duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m, 3d04h."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_line(record: dict, total_steps: int | None = None) -> str:
+    step = f"step {record['step']:>6d}" + (f"/{total_steps}" if total_steps else "")
+    parts = [step]
+    for key, label, fmt in LINE_FIELDS:
+        value = record.get(key)
+        if value is not None:
+            parts.append(f"{label} {format_duration(value) if fmt is None else fmt.format(value)}")
     return " | ".join(parts)
 
 
@@ -72,6 +105,34 @@ def trim_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def wandb_can_rewind() -> bool:
+    """Whether the installed wandb's init takes resume_from (wandb 0.17.1 and later)."""
+    import inspect
+
+    import wandb
+
+    return "resume_from" in inspect.signature(wandb.init).parameters
+
+
+def wandb_resume_policy(cfg: WandbConfig) -> str:
+    """rewind or hold (see the module docstring)."""
+    if cfg.resume != "auto":
+        return cfg.resume
+    return "rewind" if cfg.mode == "online" and wandb_can_rewind() else "hold"
+
+
+def check_logger_config(cfg: LoggerConfig) -> None:
+    """What config.validate cannot see: the installed wandb (ConfigError, one line)."""
+    w = cfg.wandb
+    if w.mode != "disabled" and w.resume == "rewind" and not wandb_can_rewind():
+        import wandb
+
+        raise ConfigError(
+            f"logger.wandb.resume=rewind needs wandb.init(resume_from=...), which wandb "
+            f"{wandb.__version__} lacks (0.17.1+); upgrade wandb or use logger.wandb.resume=hold"
+        )
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -82,16 +143,19 @@ class MetricsLogger:
         run_name: str,
         config: dict,
         tags: list[str],
+        total_steps: int | None = None,
     ):
         self.enabled = rank == 0
         self.path = run_dir / "metrics.jsonl"
         self.cfg, self.run_dir, self.run_name, self.config = cfg, run_dir, run_name, config
+        self.total_steps = total_steps
         self.tags = list(dict.fromkeys([*tags, *cfg.wandb.tags]))
         self.wandb_run = None
         self.wandb_run_id: str | None = None
-        # Hold wandb records until a checkpoint covers them, unless nothing can be resumed.
         checkpoint_mode = (config.get("checkpoint") or {}).get("mode", "none")
-        self.hold = checkpoint_mode != "none"
+        self.can_resume = checkpoint_mode != "none"
+        #: Hold wandb records until a checkpoint covers them (decided when wandb opens).
+        self.hold = False
         self.pending: list[dict] = []
 
     def start(self, start_step: int, wandb_run_id: str | None = None) -> str | None:
@@ -119,49 +183,90 @@ class MetricsLogger:
         run_id = run_id or new_run_id()
         id_file.write_text(run_id + "\n")
         w = self.cfg.wandb
-        logged = self._offline_last_step(run_id) if w.mode == "offline" else 0
-        self.wandb_run = wandb.init(
+        policy = wandb_resume_policy(w)
+        self.hold = self.can_resume and policy == "hold"
+        common = dict(
             project=w.project,
             entity=w.entity,
             group=w.group,
             name=self.run_name,
             id=run_id,
-            resume="allow",
             mode=w.mode,
             dir=str(self.run_dir),
             config=self.config,
             tags=self.tags,
         )
-        self.wandb_run_id = run_id
+        run = None
+        if start_step > 0 and policy == "rewind":
+            try:
+                run = wandb.init(**common, resume_from=f"{run_id}?_step={start_step}")
+            except Exception as e:  # not enabled for the account, no such run, ...
+                reason = " ".join(str(e).split())[:200]
+                print(
+                    f"warning: wandb could not rewind run {run_id} to step {start_step} "
+                    f"({type(e).__name__}: {reason}); holding records until checkpoints cover "
+                    "them instead (logger.wandb.resume=hold)",
+                    flush=True,
+                )
+                self.hold = self.can_resume
+        if run is None:
+            run = wandb.init(**common, resume="allow")
+        self.wandb_run, self.wandb_run_id = run, run_id
+        # A resumed wandb run keeps its first config: show this segment's effective values.
+        run.config.update(self.config, allow_val_change=True)
         if w.mode == "online":
             # The server's next step; wandb drops steps below it on its own.
-            logged = max(0, self.wandb_run.starting_step - 1)
+            logged = max(0, run.starting_step - 1)
+        else:
+            logged = self._sent_step(run_id) if start_step > 0 else 0
+            if logged > start_step:
+                print(
+                    f"warning: the offline wandb run {run_id} already has steps up to "
+                    f"{logged} of the timeline this resume from step {start_step} replaces; "
+                    "wandb sync keeps the first value of each step",
+                    flush=True,
+                )
         # Steps the checkpoint covers that wandb never got: held back, or lost with a
         # killed process. metrics.jsonl has them (already trimmed to start_step).
-        for record in read_metrics(self.path):
-            if logged < record["step"] <= start_step:
-                self._send(record)
+        self._send_all(r for r in read_metrics(self.path) if logged < r["step"] <= start_step)
 
-    def _offline_last_step(self, run_id: str) -> int:
-        """Last step in the earlier offline segments of this wandb run (0 if none)."""
-        wandb_dir = self.run_dir / "wandb"
-        if not wandb_dir.is_dir():
-            return 0
+    # -- what wandb has -------------------------------------------------------------------
+
+    def _sent_step(self, run_id: str) -> int:
+        """Last step handed to wandb run `run_id` by earlier segments (0 if none)."""
         try:
-            segments = read_wandb_segments(wandb_dir, run_id=run_id)
-        except CompareError as e:  # logging must not stop training
-            print(f"warning: {e}; wandb may get steps {wandb_dir} already holds", flush=True)
+            sent = json.loads((self.run_dir / SENT_FILE).read_text())
+        except (OSError, ValueError):
             return 0
-        return int(max((row["_step"] for s in segments for row in s.rows), default=0))
+        return int(sent.get("step", 0)) if sent.get("run_id") == run_id else 0
+
+    def _record_sent(self, step: int) -> None:
+        path = self.run_dir / SENT_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"run_id": self.wandb_run_id, "step": step}) + "\n")
+        os.replace(tmp, path)
 
     def _send(self, record: dict) -> None:
         values = {k: v for k, v in record.items() if k != "step" and v is not None}
+        if "time" in record:
+            values["_timestamp"] = record["time"]  # its own time, also when sent late
         self.wandb_run.log(values, step=record["step"])
+
+    def _send_all(self, records) -> None:
+        last = None
+        for record in records:
+            self._send(record)
+            last = record["step"]
+        if last is not None:
+            self._record_sent(last)
+
+    # -- logging ----------------------------------------------------------------------------
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        print(format_line(record), flush=True)
+        record = {**record, "time": record.get("time", time.time())}
+        print(format_line(record, self.total_steps), flush=True)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
@@ -171,14 +276,17 @@ class MetricsLogger:
                 if record.get("save_step") is not None:
                     self.commit(record["save_step"])
             else:
-                self._send(record)
+                self._send_all([record])
 
     def commit(self, step: int) -> None:
         """A checkpoint at `step` is complete: records up to it are final; send them."""
         if self.wandb_run is None:
             return
-        while self.pending and self.pending[0]["step"] <= step:
-            self._send(self.pending.pop(0))
+        n = 0
+        while n < len(self.pending) and self.pending[n]["step"] <= step:
+            n += 1
+        ready, self.pending = self.pending[:n], self.pending[n:]
+        self._send_all(ready)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -187,8 +295,7 @@ class MetricsLogger:
     def finish(self) -> None:
         """End of the run (done, or stopped after a final checkpoint): send what is held."""
         if self.wandb_run is not None:
-            for record in self.pending:
-                self._send(record)
+            self._send_all(self.pending)
             self.pending.clear()
             self.wandb_run.finish()
             self.wandb_run = None

@@ -54,7 +54,36 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 
 def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    """Warmup + cosine over optim.schedule_steps (null: `total_steps`, i.e. train.steps)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg, cfg.schedule_steps or total_steps)
+    )
+
+
+def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig) -> None:
+    """After a resume: make this run's optimizer settings the ones in force.
+
+    A checkpoint restores the param groups as they were saved (lr, initial_lr, betas, eps,
+    weight_decay) and LambdaLR's base_lrs; the schedule's shape (warmup, min_lr_ratio,
+    length) is the new lambda already, since a plain function is not saved. Here the saved
+    hyperparameters are replaced by the config's and the current lr is recomputed as
+    LambdaLR does (base_lr * factor(last_epoch)), so an accepted change of optim.lr, ...
+    takes effect from the first resumed step on. With an unchanged config every value is
+    set to what it already was (bitwise). Groups follow `param_groups`: [decay, no_decay].
+    """
+    decay = [cfg.weight_decay, 0.0]
+    for i, group in enumerate(optimizer.param_groups):
+        group["betas"] = (cfg.beta1, cfg.beta2)
+        group["eps"] = cfg.eps
+        if i < len(decay):
+            group["weight_decay"] = decay[i]
+        group["initial_lr"] = cfg.lr
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @torch.no_grad()

@@ -8,11 +8,12 @@
 
 A run (`load_run`) is any of:
   - a run directory (`runs/<name>/`) holding `metrics.jsonl`, or that file itself;
-  - a wandb offline run (`.../wandb/offline-run-<time>-<id>/` or its `run-<id>.wandb` file),
-    or a wandb directory holding several segments of one run (a resumed offline run; also
-    a run directory without metrics.jsonl): segments are read in start-time order and a
-    later segment's row for a step supersedes an earlier one;
-  - `entity/project/run_id` of an online wandb run (full history through wandb.Api).
+  - a wandb offline run inside a run directory (`runs/<name>/wandb/`, one of its
+    `offline-run-*` directories or a file in one): read as the enclosing run directory's
+    metrics.jsonl, which holds every step those segments were sent (wandb's own offline
+    files are never parsed: their format is private);
+  - `entity/project/run_id` of an online wandb run (its full, unsampled history through
+    wandb's public API, `wandb.Api().run(path).scan_history()`).
 
 `compare` checks every run against the first on the steps both logged: per metric the number
 of common steps, the max absolute and relative difference (relative to the reference value),
@@ -20,9 +21,8 @@ and the first step where the two differ by more than `atol + rtol * |reference|`
 defaults, 0 and 0, mean "not bitwise equal"). Anything that cannot be read or compared raises
 `CompareError` with a one-line message.
 
-Used by logger.py (the last step of earlier offline wandb segments), tools/compare_runs.py (the
-command line and plot) and the test harnesses (tests/harness/). Library code: it imports
-nothing from tools/ or tests/.
+Used by logger.py (metrics.jsonl), tools/compare_runs.py (the command line and plot) and the
+test harnesses (tests/harness/). Library code: it imports nothing from tools/ or tests/.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 Run = dict[int, dict]
@@ -78,22 +78,40 @@ def read_metrics_jsonl(path: Path) -> Run:
 def load_run(path: str | Path) -> Run:
     """Read one run as {step: {metric: value}} (see the module docstring for what a run is)."""
     p = Path(path)
-    if p.is_file():
-        if p.suffix == ".wandb":
-            return _merge_segments([read_wandb_file(p)])
-        return read_metrics_jsonl(p)
-    if p.is_dir():
-        if (p / "metrics.jsonl").is_file():
-            return read_metrics_jsonl(p / "metrics.jsonl")
-        segments = read_wandb_segments(p)
-        if segments:
-            return _merge_segments(segments)
-        raise CompareError(f"{path}: no metrics.jsonl and no wandb run data (*.wandb) in it")
+    if p.exists():
+        run_dir = _enclosing_run_dir(p)
+        if run_dir is not None:
+            return read_metrics_jsonl(run_dir / "metrics.jsonl")
+        if p.is_file() and p.suffix != ".wandb":
+            return read_metrics_jsonl(p)
+        if _inside_wandb_dir(p):
+            raise CompareError(
+                f"{path}: a wandb offline run is read through the metrics.jsonl of the run "
+                "directory that logged it, and no run directory encloses this one; upload it "
+                "(wandb sync) and pass entity/project/run_id"
+            )
+        raise CompareError(f"{path}: no metrics.jsonl in it (not a run directory)")
     if WANDB_RUN_PATH.match(str(path)):
         return read_wandb_online(str(path))
     raise CompareError(
         f"{path}: not a run directory, metrics.jsonl, wandb offline run or entity/project/run_id"
     )
+
+
+def _inside_wandb_dir(p: Path) -> bool:
+    return any(part == "wandb" for part in p.resolve().parts)
+
+
+def _enclosing_run_dir(p: Path) -> Path | None:
+    """The run directory whose metrics.jsonl stands for `p`: p itself, or for a path in a
+    run's wandb/ directory, the directory holding that wandb/."""
+    p = p.resolve()
+    if p.is_dir() and (p / "metrics.jsonl").is_file():
+        return p
+    for parent in [p, *p.parents]:
+        if parent.name == "wandb" and (parent.parent / "metrics.jsonl").is_file():
+            return parent.parent
+    return None
 
 
 def read_wandb_online(run_path: str) -> Run:
@@ -110,136 +128,9 @@ def read_wandb_online(run_path: str) -> Run:
     return {int(row["_step"]): _public(row) for row in rows if row.get("_step") is not None}
 
 
-def _merge_segments(segments: Sequence[WandbSegment]) -> Run:
-    run: Run = {}
-    for segment in segments:
-        for row in segment.rows:
-            run[int(row["_step"])] = _public(row)
-    return run
-
-
 def _public(row: Mapping) -> dict:
     """Drop wandb's own columns (_step, _runtime, _timestamp, ...)."""
     return {k: v for k, v in row.items() if not k.startswith("_")}
-
-
-# ======================================================================================
-# BEGIN wandb offline transaction logs (private format)
-#
-# The only code that knows how wandb stores an offline run on disk. Everything else uses
-# what this section exposes:
-#
-#     WandbSegment                                   path, run_id, start_time, tags, rows
-#     read_wandb_file(path) -> WandbSegment          one run-<id>.wandb file
-#     read_wandb_segments(path, run_id=None)         every segment under a directory, oldest
-#                                                    first (CompareError: several run ids)
-#
-# Each row is a dict of the logged values plus "_step". To read offline runs through a
-# public wandb API instead, replace this section and keep those three names and shapes.
-#
-# The .wandb file is wandb's transaction log: a 7-byte file header, then LevelDB-log-style
-# records (crc32, length, type; 7 bytes) in 32 KiB blocks, each payload a serialized
-# wandb.proto Record. wandb 0.31 has no Python reader (its Go core reads these files), so
-# the framing is parsed here; the payloads are decoded with wandb's own protobuf classes.
-
-import struct  # noqa: E402  (kept inside the section it serves)
-import zlib  # noqa: E402
-
-_FILE_HEADER = struct.Struct("<4sHB")  # ident b":W&B", magic 0xBEE1, version 0
-_RECORD_HEADER = struct.Struct("<IHB")  # crc32 (seeded with the type byte), length, type
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-@dataclass
-class WandbSegment:
-    """What one wandb.init wrote: one offline-run-* directory of a (possibly resumed) run."""
-
-    path: Path
-    run_id: str
-    start_time: float
-    tags: list[str] = field(default_factory=list)
-    #: History rows in the order they were written, each with "_step".
-    rows: list[dict] = field(default_factory=list)
-
-
-def _wandb_payloads(data: bytes, name: str):
-    if not data:
-        return  # created by a process killed before it wrote anything
-    ident, magic, version = _FILE_HEADER.unpack_from(data, 0) if len(data) >= 7 else (b"", 0, 0)
-    if ident != b":W&B" or magic != 0xBEE1 or version != 0:
-        raise CompareError(f"{name}: not a wandb transaction log (bad file header)")
-    pos, pending = _FILE_HEADER.size, b""
-    while pos + _RECORD_HEADER.size <= len(data):
-        if _BLOCK - pos % _BLOCK < _RECORD_HEADER.size:
-            pos += _BLOCK - pos % _BLOCK  # block trailer too short for a header: padding
-            continue
-        crc, length, kind = _RECORD_HEADER.unpack_from(data, pos)
-        payload = data[pos + _RECORD_HEADER.size : pos + _RECORD_HEADER.size + length]
-        if kind == 0 or len(payload) < length:
-            return  # zero fill or a record cut by a killed writer: the log ends here
-        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
-            return  # torn tail
-        pos += _RECORD_HEADER.size + length
-        if kind == _FULL:
-            yield payload
-        elif kind == _FIRST:
-            pending = payload
-        elif kind == _MIDDLE:
-            pending += payload
-        elif kind == _LAST:
-            yield pending + payload
-            pending = b""
-
-
-def read_wandb_file(path: Path) -> WandbSegment:
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    segment = WandbSegment(path=path, run_id=path.stem.removeprefix("run-"), start_time=0.0)
-    for payload in _wandb_payloads(path.read_bytes(), str(path)):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            segment.run_id = record.run.run_id or segment.run_id
-            segment.tags = list(record.run.tags)
-            segment.start_time = (
-                record.run.start_time.ToSeconds() + record.run.start_time.nanos * 1e-9
-            )
-        elif kind == "history":
-            row = {}
-            for item in record.history.item:
-                key = item.key or ".".join(item.nested_key)
-                row[key] = json.loads(item.value_json)
-            row.setdefault("_step", record.history.step.num)
-            segment.rows.append(row)
-    return segment
-
-
-def read_wandb_segments(path: Path, run_id: str | None = None) -> list[WandbSegment]:
-    """All segments under `path` (a run's wandb directory, an offline-run-* directory, or a
-    run directory holding wandb/), oldest first: those of `run_id` if given, else those of
-    the one run id found there (several is an error)."""
-    name = f"run-{run_id}.wandb" if run_id else "*.wandb"
-    files = (
-        sorted(path.glob(name))
-        or sorted(path.glob(f"*/{name}"))
-        or sorted(path.glob(f"wandb/*/{name}"))
-    )
-    # wandb/latest-run is a symlink to one of the segments: read each file once.
-    files = sorted({f.resolve() for f in files})
-    segments = [read_wandb_file(f) for f in files]
-    ids = sorted({s.run_id for s in segments})
-    if len(ids) > 1:
-        raise CompareError(
-            f"{path}: holds wandb runs {', '.join(ids)}; pass one offline-run-* directory"
-        )
-    # Directory names carry the start time to the second; the run record is finer.
-    return sorted(segments, key=lambda s: (s.start_time, s.path.parent.name))
-
-
-# END wandb offline transaction logs
-# ======================================================================================
 
 
 # --------------------------------------------------------------------------------------

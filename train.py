@@ -2,12 +2,15 @@
 
     python train.py                                   # tiny model, embedded corpus, CPU or 1 GPU
     python train.py --cfg job                         # print the composed config
+    python train.py -m optim.lr=1e-3,3e-3             # a sweep: one run directory per job
     torchrun --nproc_per_node=8 train.py model=llama3_8b recipe=fp8_cs parallel=hsdp_tp \
         checkpoint=async data=hf data.path=HuggingFaceFW/fineweb-edu data.subset=sample-10BT
 
 Setup runs in a fixed order; each step says why it sits where it does. Re-running the same
-command resumes from the newest complete checkpoint in runs/<run.name>/. `train_step` is the
-one training step; tests and tools call it too, and `launch` runs this file in a subprocess.
+command resumes from the newest complete checkpoint in runs/<run.name>/, after comparing its
+config with the checkpoint's (config.check_resume). `train_step` is the one training step
+and `evaluate` the held-out loss; tests and tools call them too, and `launch` runs this file
+in a subprocess.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import FSDPModule
 
 import compat
+import sweep
 from checkpoint import CheckpointManager, TrainState, training_state
 from checkpoint.hf import (
     from_rank0,
@@ -35,15 +40,23 @@ from checkpoint.hf import (
     resolve_init_from,
 )
 from checkpoint.manager import resumes
-from config import Config, register_configs, validate, validate_batch
-from data import build_loader, build_tokenizer
+from config import (
+    Change,
+    Config,
+    check_experiment_overrides,
+    check_resume,
+    register_configs,
+    validate,
+    validate_batch,
+)
+from data import build_eval_batches, build_loader, build_tokenizer
 from errors import ConfigError
-from logger import MetricsLogger
+from logger import MetricsLogger, check_logger_config, format_duration
 from model import ModelConfig, build_model, init_weights, resolve_impl, te_available
 from model.flops import flops_per_token, peak_tflops
 from model.hf import model_config_for_hf
 from model.memory import parameter_storage
-from optim import build_optimizer, build_scheduler, clip_grad_norm
+from optim import apply_config, build_optimizer, build_scheduler, clip_grad_norm
 from parallel import ParallelDims, parallelize
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_recipe, check_recipe_layout
@@ -70,6 +83,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
         )
     check_recipe(cfg.recipe, impl, device)
     check_recipe_layout(cfg.recipe, cfg.model, world_size, dims.dp_shard, dims.tp)
+    check_logger_config(cfg.logger)
     return dims, grad_accum, impl
 
 
@@ -186,6 +200,63 @@ def train_step(
     return step_loss, grad_norm
 
 
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: torch.Tensor,
+    *,
+    micro_batches: int = 1,
+    autocast: AbstractContextManager | None = None,
+    dp_group=None,
+    loss_fn=next_token_loss,
+) -> float:
+    """Mean next-token loss over this rank's rows of the held-out `batches` (batches, rows,
+    seq_len+1), forward only, `micro_batches` forwards per batch as in training and under
+    the same autocast; averaged over the data-parallel ranks (equal rows everywhere, no
+    masked labels, so the mean of means is the global mean)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        batch = batch.to(device, non_blocking=True)
+        for rows in batch.chunk(micro_batches):
+            with autocast if autocast is not None else nullcontext():
+                total += loss_fn(model, rows[:, :-1], rows[:, 1:]).float()
+    total /= len(batches) * micro_batches
+    # Without a backward, FSDP2 units that keep their weights gathered after forward (the
+    # root, the last block) would stay gathered: leave them sharded, as a training step does.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+        total /= dist.get_world_size(dp_group)
+    model.train(was_training)
+    return total.item()
+
+
+def record_config(run_dir: Path, config_yaml: str, start_step: int, accepted: list[Change]):
+    """<run_dir>/config.yaml is this segment's config; configs/segment-<start step>.yaml keeps
+    every segment's (a fresh start moves an earlier timeline's configs/ aside, a second
+    segment from the same step keeps the first one's file under another name: nothing is
+    overwritten). Returns the segment file."""
+    configs = run_dir / "configs"
+    stamp = int(time.time())
+    if start_step == 0 and configs.is_dir() and any(configs.iterdir()):
+        configs.rename(run_dir / f"configs.{stamp}")
+    configs.mkdir(exist_ok=True)
+    header = f"# segment from step {start_step}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    if accepted:
+        header += "; accepted changes: " + "; ".join(map(str, accepted))
+    segment = configs / f"segment-{start_step:07d}.yaml"
+    if segment.exists():
+        segment.rename(configs / f"segment-{start_step:07d}.{stamp}.yaml")
+    segment.write_text(header + "\n" + config_yaml)
+    (run_dir / "config.yaml").write_text(config_yaml)
+    return segment
+
+
 class StopSignal:
     """Turns SIGUSR1 (Slurm's early warning) and SIGTERM (preemption) into a flag the loop
     checks at log steps (where it syncs anyway), so every rank stops after the same step and
@@ -262,27 +333,64 @@ def run(cfg: Config) -> int:
     recipe.attach_optimizer(model, optimizer, amax_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
-    # 9. Data: each data-parallel rank reads its rows of one global batch order.
+    # 9. Data: each data-parallel rank reads its rows of one global batch order. With
+    #    evaluation on, the held-out documents (data.eval_fraction) leave the training data
+    #    unless data.eval_split names a split of their own.
+    say = print if rank == 0 else (lambda *a, **k: None)
+    t_data = time.perf_counter()
+    say(f"data: preparing data={cfg.data.name} (seq_len {cfg.data.seq_len})", flush=True)
+    evaluating = cfg.eval.every > 0
     loader = build_loader(
         cfg.data,
         tokenizer,
         global_batch_size=cfg.train.global_batch_size,
         dp_rank=dims.dp_rank,
         dp_size=dims.dp_size,
+        hold_out=evaluating and cfg.data.eval_split is None,
     )
+    epoch = f"{loader.samples_per_epoch:,} samples per epoch" if loader.samples_per_epoch else ""
+    eval_batches = None
+    if evaluating:
+        eval_batches = build_eval_batches(
+            cfg.data,
+            tokenizer,
+            batches=cfg.eval.batches,
+            global_batch_size=cfg.train.global_batch_size,
+            dp_rank=dims.dp_rank,
+            dp_size=dims.dp_size,
+        )
+        epoch += f"; eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps"
+    say(f"data: ready in {time.perf_counter() - t_data:.1f}s ({epoch or 'streaming'})", flush=True)
 
     # 10. Run directory, checkpoint resume, logger (in that order: the logger trims metrics
     #     to the resumed step and reuses the wandb id stored in the checkpoint).
     run_dir.mkdir(parents=True, exist_ok=True)
+    #    The checkpoint's config is compared with this one as soon as it is read, before any
+    #    other part loads and before anything in the run directory changes.
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    train_state = TrainState(config_yaml=config_yaml)
+    accepted: list[Change] = []
+
+    def compare_config(loaded: TrainState) -> None:
+        accepted[:] = check_resume(
+            loaded.saved_config_yaml, config_yaml, cfg.resume.accept, loaded.step
+        )
+
+    train_state = TrainState(config_yaml=config_yaml, on_load=compare_config)
     state = training_state(
         model, optimizer, scheduler, loader, train_state, te_recipe=recipe.te_recipe()
     )
     ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank=rank, world_size=world_size)
     start_step = ckpt.resume(state)
-    if rank == 0:
-        (run_dir / "config.yaml").write_text(config_yaml)
+    if start_step:
+        apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
+    if rank == 0 and start_step < cfg.train.steps:  # a segment that trains: record it
+        segment = record_config(run_dir, config_yaml, start_step, accepted)
+        if accepted:
+            print(
+                f"config: resuming step {start_step} with accepted changes: "
+                f"{'; '.join(map(str, accepted))} (recorded in {segment})",
+                flush=True,
+            )
     logger = MetricsLogger(
         cfg.logger,
         run_dir,
@@ -290,6 +398,7 @@ def run(cfg: Config) -> int:
         run_name=cfg.run.name,
         config=OmegaConf.to_container(OmegaConf.structured(cfg)),
         tags=[cfg.model.name, cfg.recipe.name, cfg.parallel.name],
+        total_steps=cfg.train.steps,
     )
     train_state.wandb_run_id = logger.start(start_step, train_state.wandb_run_id)
     n_params = sum(p.numel() for p in model.parameters())
@@ -307,8 +416,9 @@ def run(cfg: Config) -> int:
     if start_step >= cfg.train.steps:
         logger.info(
             f"nothing to do: the checkpoint is at step {start_step} and train.steps="
-            f"{cfg.train.steps}; raise train.steps to continue, or pass "
-            "checkpoint.resume=none to start over"
+            f"{cfg.train.steps}; raise train.steps to continue (README, Resume: keep the LR "
+            "schedule with optim.schedule_steps, or stretch it with resume.accept=[train.steps]),"
+            " or pass checkpoint.resume=none to start over"
         )
 
     # 11. Train.
@@ -321,7 +431,8 @@ def run(cfg: Config) -> int:
     # model); fp32 on CPU.
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
-    t_last, step_last = time.perf_counter(), start_step
+    t_start = t_last = time.perf_counter()
+    step_last, eval_s, eval_total_s, eval_interval_s = start_step, 0.0, 0.0, 0.0
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
         profiler.begin(step)
@@ -341,7 +452,23 @@ def run(cfg: Config) -> int:
             logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
 
         stopping = False
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+        evaluating_now = eval_batches is not None and (
+            step % cfg.eval.every == 0 or step == cfg.train.steps
+        )
+        val_loss = None
+        if evaluating_now:
+            t_eval = time.perf_counter()
+            val_loss = evaluate(
+                model,
+                eval_batches,
+                micro_batches=grad_accum,
+                autocast=autocast,
+                dp_group=dims.dp_group,
+            )
+            eval_s = time.perf_counter() - t_eval
+            eval_total_s += eval_s
+            eval_interval_s += eval_s
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps or evaluating_now:
             if dims.dp_group is not None:  # mean over data-parallel ranks (TP ranks agree)
                 dist.all_reduce(loss, group=dims.dp_group)
                 loss /= dims.dp_size
@@ -349,11 +476,20 @@ def run(cfg: Config) -> int:
             # after it, so the interval covers the GPU work of its steps.
             loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
             now = time.perf_counter()
-            tps = tokens_per_step * (step - step_last) / (now - t_last)
+            # Step time without evaluations; the ETA adds the evaluations still to come.
+            step_time = (now - t_last - eval_interval_s) / (step - step_last)
+            train_s = now - t_start - eval_total_s
+            evals_left = 0
+            if eval_batches is not None:
+                evals_left = cfg.train.steps // cfg.eval.every - step // cfg.eval.every
+                evals_left += step < cfg.train.steps and cfg.train.steps % cfg.eval.every != 0
+            eta = (cfg.train.steps - step) * train_s / (step - start_step) + evals_left * eval_s
+            tps = tokens_per_step / step_time
             logger.log(
                 dict(
                     step=step,
                     loss=loss_value,
+                    val_loss=val_loss,
                     grad_norm=norm_value,
                     lr=scheduler.get_last_lr()[0],
                     tokens_seen=train_state.tokens_seen,
@@ -362,10 +498,13 @@ def run(cfg: Config) -> int:
                     mfu=flops_tok * tps / world_size / (peak * 1e12) if peak else None,
                     mem_gb=peak_memory_gb(device),
                     param_bytes_per_param=param_bytes / param_local_numel,
+                    step_time_s=step_time,
+                    eta_s=eta,
+                    eval_s=eval_s if evaluating_now else None,
                     **ckpt.stats(),
                 )
             )
-            t_last, step_last = time.perf_counter(), step
+            t_last, step_last, eval_interval_s = time.perf_counter(), step, 0.0
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
             stopping = stop is not None and stop.agreed(device)
 
@@ -380,6 +519,10 @@ def run(cfg: Config) -> int:
             return EXIT_REQUEUE
     ckpt.finish(cfg.train.steps, state)
     logger.finish()
+    if start_step < cfg.train.steps:
+        logger.info(
+            f"done: step {cfg.train.steps} in {format_duration(time.perf_counter() - t_start)}"
+        )
     return 0
 
 
@@ -408,19 +551,61 @@ def launch(
     )
 
 
+#: Exit status of each Hydra job this process ran (a multirun runs several, in order).
+STATUSES: list[int] = []
+
+
 @hydra.main(config_path="conf", config_name="config", version_base=None)
-def main(dcfg: DictConfig) -> None:
+def main(dcfg: DictConfig) -> int:
+    """One Hydra job. Returns its status (and records it in STATUSES) instead of exiting, so a
+    multirun goes on to its next job; `cli` turns the statuses into the exit status."""
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    if EXIT_REQUEUE in STATUSES:  # a stop signal ended an earlier job of this sweep
+        STATUSES.append(EXIT_REQUEUE)
+        return EXIT_REQUEUE
     try:
+        named = sweep.multirun_run_name(dcfg.run.name)
+        if named is not None:
+            dcfg.run.name, num = named
+            if rank0:
+                print(f"sweep job {num}: run.name={dcfg.run.name}", flush=True)
         cfg: Config = OmegaConf.to_object(dcfg)
         status = run(cfg)
     except ConfigError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         status = 2
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(status)
+    STATUSES.append(status)
+    return status
+
+
+def exit_status(statuses: list[int]) -> int:
+    """0 when every job succeeded; else the failing jobs' status when they agree, else 1."""
+    failed = sorted({s for s in statuses if s != 0})
+    return 0 if not failed else failed[0] if len(failed) == 1 else 1
+
+
+def cli(argv: list[str]) -> int:
+    """`python train.py [hydra flags] [overrides]`: checks `experiment=` against the presets
+    before Hydra composes (the group is optional, so Hydra would run without a misspelled
+    preset), runs the job(s) and returns the exit status (a multirun fails if any job did)."""
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    try:
+        check_experiment_overrides(sweep.override_args(argv))
+    except ConfigError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    sys.argv = [sys.argv[0], *sweep.cli_args(argv)]
+    try:
+        main()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if len(STATUSES) > 1 and rank0:
+        print(f"sweep: {len(STATUSES)} jobs, exit statuses {STATUSES}", flush=True)
+    return exit_status(STATUSES)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """What a checkpoint holds: one Stateful per concern (docs/ARCHITECTURE.md, decision 8).
 
     state = training_state(model, optimizer, scheduler, loader, train_state)
-    # {"model", "optimizer", "scheduler", "loader", "rng", "train"} (+ "te_scaling")
+    # {"train", "model", "optimizer", "scheduler", "loader", "rng"} (+ "te_scaling")
 
 Model and optimizer go through torch.distributed.checkpoint.state_dict (FQN keys without
 wrapper prefixes, DTensor values), so DCP reshards them on load: any world size, any layout.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,13 +43,17 @@ _EXTRA_STATE = "_extra_state"
 @dataclass
 class TrainState(Stateful):
     """Counters and identity of the run. `config_yaml` is the current resolved config; the one
-    saved with a checkpoint comes back as `saved_config_yaml` (the current one is kept)."""
+    saved with a checkpoint comes back as `saved_config_yaml` (the current one is kept).
+    `on_load`, if set, is called with this object once a checkpoint's values are in it: it
+    is the first part loaded (`training_state` puts it first), so a config check there runs
+    before the other parts' own checks."""
 
     step: int = 0
     tokens_seen: int = 0
     wandb_run_id: str | None = None
     config_yaml: str | None = None
     saved_config_yaml: str | None = None
+    on_load: Any = field(default=None, repr=False, compare=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +68,8 @@ class TrainState(Stateful):
         self.tokens_seen = int(sd["tokens_seen"])
         self.wandb_run_id = sd["wandb_run_id"] or None
         self.saved_config_yaml = sd["config_yaml"] or None
+        if self.on_load is not None:
+            self.on_load(self)
 
 
 class ModelState(Stateful):
@@ -188,13 +194,14 @@ def training_state(
     """Everything a resume needs, as DCP Statefuls. `te_recipe`: the TE recipe object of the
     run; with a DelayedScaling recipe and TE modules in the model, their amax histories and
     scales are saved too ("te_scaling")."""
+    # Loaded in this order (the model before the optimizer: see OptimizerState).
     state: dict[str, Stateful] = {
+        "train": train_state,
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
         "scheduler": ObjectState(scheduler),
         "loader": ObjectState(loader),
         "rng": RNGState(),
-        "train": train_state,
     }
     scaling = te_state.delayed_scaling_state(model, te_recipe)
     if scaling is not None:

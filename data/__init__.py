@@ -3,6 +3,7 @@
     tok = build_tokenizer(cfg.data)
     loader = build_loader(cfg.data, tok, global_batch_size=G, dp_rank=r, dp_size=dp)
     x = loader.next_batch()          # (G // dp, seq_len + 1); inputs x[:, :-1], labels x[:, 1:]
+    ev = build_eval_batches(cfg.data, tok, batches=4, global_batch_size=G, dp_rank=r, dp_size=dp)
     loader.state_dict() / loader.load_state_dict(d)   # the global position, dp-size free
 
 See data/loader.py for the sample-order contract that makes multi-rank runs and resumes exact,
@@ -11,7 +12,7 @@ and data/token_cache.py for the prepared, memory-mapped token files of data=hf
 """
 
 from data.config import DataConfig
-from data.loader import PackedLoader, StreamingLoader, build_loader
+from data.loader import PackedLoader, StreamingLoader, build_eval_batches, build_loader
 from data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "HFTokenizer",
     "PackedLoader",
     "StreamingLoader",
+    "build_eval_batches",
     "build_loader",
     "build_tokenizer",
 ]

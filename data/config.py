@@ -32,6 +32,14 @@ class DataConfig:
     #: token cache (tools/prepare_data.py); null = the Hugging Face datasets cache
     #: ($HF_DATASETS_CACHE, by default ~/.cache/huggingface/datasets).
     cache_dir: str | None = None
+    #: Held-out data for the validation loss (used only with eval.every > 0). hf: a split of
+    #: the dataset (e.g. "validation"); training data is then left as it is.
+    eval_split: str | None = None
+    #: Without data.eval_split: this share of the documents is held out of training (and
+    #: evaluated on): document i (dataset order, 0-based) is held out when
+    #: floor((i + 1) * fraction) > floor(i * fraction), i.e. evenly spread, deterministic.
+    #: Only while eval.every > 0: with evaluation off, training reads every document.
+    eval_fraction: float = 0.01
     #: hf non-streaming: processes that tokenize when preparing the token cache (datasets.map
     #: num_proc). The result does not depend on it.
     num_proc: int = 1

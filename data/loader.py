@@ -32,7 +32,13 @@ import torch
 
 from data.config import DataConfig
 from data.packing import pack_dataset, stream_samples
-from data.sources import check_text_field, embedded_dataset, hf_dataset
+from data.sources import (
+    check_text_field,
+    embedded_dataset,
+    eval_documents,
+    hf_dataset,
+    training_documents,
+)
 from data.token_cache import load_tokens
 from errors import ConfigError
 
@@ -230,9 +236,17 @@ def _quiet_datasets():
 
 
 def build_loader(
-    cfg: DataConfig, tok, *, global_batch_size: int, dp_rank: int, dp_size: int
+    cfg: DataConfig,
+    tok,
+    *,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    hold_out: bool = False,
 ) -> PackedLoader | StreamingLoader:
-    """This rank's loader; `next_batch()` gives its (G/dp, seq_len+1) rows of the next batch."""
+    """This rank's loader; `next_batch()` gives its (G/dp, seq_len+1) rows of the next batch.
+    `hold_out`: leave out the documents held out for evaluation (data.eval_fraction; see
+    `build_eval_batches`)."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     if global_batch_size <= 0 or global_batch_size % dp_size:
@@ -248,7 +262,8 @@ def build_loader(
 
     if cfg.name == "embedded":
         with _quiet_datasets():
-            tokens = pack_dataset(embedded_dataset(cfg), tok, "text")
+            ds = embedded_dataset(cfg)
+            tokens = pack_dataset(training_documents(ds, cfg) if hold_out else ds, tok, "text")
         return PackedLoader(
             tokens,
             shuffle=cfg.shuffle,
@@ -261,6 +276,8 @@ def build_loader(
 
     ds = hf_dataset(cfg)
     check_text_field(ds, cfg)
+    if hold_out:
+        ds = training_documents(ds, cfg)
     hint = "add data (data.path)"
     if not cfg.streaming:
         # Tokenized once into the token cache (by whichever process gets its lock; the others
@@ -300,3 +317,33 @@ def build_loader(
     if found < global_batch_size:
         raise loader._too_small(found)
     return loader
+
+
+def build_eval_batches(
+    cfg: DataConfig, tok, *, batches: int, global_batch_size: int, dp_rank: int, dp_size: int
+) -> torch.Tensor:
+    """This rank's rows of the held-out batches, (batches, G/dp, seq_len+1): the first
+    batches * G samples packed from the held-out documents (`eval_documents`) in order, no
+    shuffle, so every evaluation and every resume reads the same set. Sample k of batch b is
+    packed sample b*G + k; rank r takes rows [r*G/dp, (r+1)*G/dp) as in training. Only as
+    many documents as the batches need are tokenized."""
+    needed = batches * global_batch_size
+    with _quiet_datasets():
+        docs = eval_documents(cfg)
+        samples = list(
+            itertools.islice(stream_samples(docs, tok, cfg.text_field, cfg.seq_len + 1), needed)
+        )
+    if len(samples) < needed:
+        source = (
+            f"data.eval_split={cfg.eval_split}"
+            if cfg.eval_split
+            else f"data.eval_fraction={cfg.eval_fraction} of the documents"
+        )
+        raise ConfigError(
+            f"eval: the held-out data ({source}) packs into {len(samples)} samples of "
+            f"data.seq_len+1={cfg.seq_len + 1} tokens, fewer than eval.batches x "
+            f"train.global_batch_size = {needed}; lower eval.batches, or hold out more data"
+        )
+    local = global_batch_size // dp_size
+    rows = np.stack(samples).reshape(batches, global_batch_size, cfg.seq_len + 1)
+    return torch.from_numpy(rows[:, dp_rank * local : (dp_rank + 1) * local].astype(np.int64))

@@ -6,11 +6,14 @@ tokenization and packing happen in data/packing.py.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import os
 import sysconfig
 
 import datasets
+import numpy as np
 
 from data.config import DataConfig
 from data.tokenizer import one_line
@@ -183,3 +186,54 @@ def check_text_field(ds, cfg: DataConfig) -> None:
             f"data.text_field={cfg.text_field!r} is not a column of the dataset; available: "
             f"{', '.join(columns) or '(none: the dataset is empty)'}; set data.text_field"
         )
+
+
+# --- held-out documents (eval.every > 0) -------------------------------------------------
+
+
+def held_out_mask(n: int, fraction: float) -> np.ndarray:
+    """Which of documents 0..n-1 are held out: i where floor((i + 1) * f) > floor(i * f), so
+    floor(n * f) documents evenly spread (f = 0.01: 99, 199, ...). Fixed by the index alone."""
+    i = np.arange(n, dtype=np.float64)
+    return np.floor((i + 1) * fraction) > np.floor(i * fraction)
+
+
+def is_held_out(i: int, fraction: float) -> bool:
+    """`held_out_mask` for one index (streams: documents arrive one by one)."""
+    return bool(np.floor((i + 1) * fraction) > np.floor(i * fraction))
+
+
+def _selection(ds: datasets.Dataset, keep: np.ndarray, tag: str, fraction: float):
+    # A fingerprint from the parent's and the rule (no hash of the index list): the token
+    # cache keys on it, so the same documents always find the same entry.
+    fingerprint = hashlib.sha256(f"{ds._fingerprint}|{tag}|{fraction!r}".encode()).hexdigest()
+    return ds.select(np.flatnonzero(keep), new_fingerprint=fingerprint[:32])
+
+
+def training_documents(ds, cfg: DataConfig):
+    """`ds` without the documents held out for evaluation (data.eval_fraction)."""
+    f = cfg.eval_fraction
+    if isinstance(ds, datasets.IterableDataset):
+        return ds.filter(lambda _, i: not is_held_out(i, f), with_indices=True)
+    return _selection(ds, ~held_out_mask(len(ds), f), "train-without-held-out", f)
+
+
+def eval_documents(cfg: DataConfig):
+    """The held-out documents: the split data.eval_split (hf), else the documents
+    `training_documents` leaves out, in dataset order."""
+    if cfg.eval_split:
+        if resolve_local_files(cfg.path) is not None:
+            raise ConfigError(
+                f"data.eval_split={cfg.eval_split!r} names a split of a hub dataset, but "
+                f"data.path={cfg.path!r} is local files (one split); use data.eval_split=null "
+                "and data.eval_fraction"
+            )
+        ds = hf_dataset(dataclasses.replace(cfg, split=cfg.eval_split))
+        check_text_field(ds, cfg)
+        return ds
+    ds = embedded_dataset(cfg) if cfg.name == "embedded" else hf_dataset(cfg)
+    check_text_field(ds, cfg)
+    f = cfg.eval_fraction
+    if isinstance(ds, datasets.IterableDataset):
+        return ds.filter(lambda _, i: is_held_out(i, f), with_indices=True)
+    return _selection(ds, held_out_mask(len(ds), f), "held-out", f)

