@@ -497,3 +497,40 @@ def check_resume(
             "with another run.name"
         )
     return math
+
+
+class SegmentConfig:
+    """This run's config against a resumed checkpoint's, and the record of each segment.
+
+    Called with the checkpoint's TrainState as soon as it loads (checkpoint/state.py
+    `on_load`), before any other part loads and before anything in the run directory
+    changes: `check_resume` refuses, in one line, a change of the training that
+    `resume.accept` does not name. `record` then writes <run_dir>/config.yaml (this segment's
+    config) and configs/segment-<start step>.yaml (every segment's; a fresh start moves an
+    earlier timeline's configs/ aside, a second segment from the same step keeps the first
+    one's file under another name: nothing is overwritten)."""
+
+    def __init__(self, config_yaml: str, accept: Sequence[str]):
+        self.yaml, self.accept = config_yaml, list(accept)
+        self.accepted: list[Change] = []
+
+    def __call__(self, loaded) -> None:
+        self.accepted = check_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
+
+    def record(self, run_dir: Path, start_step: int) -> Path:
+        import time
+
+        configs = run_dir / "configs"
+        stamp = int(time.time())
+        if start_step == 0 and configs.is_dir() and any(configs.iterdir()):
+            configs.rename(run_dir / f"configs.{stamp}")
+        configs.mkdir(exist_ok=True)
+        header = f"# segment from step {start_step}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        if self.accepted:
+            header += "; accepted changes: " + "; ".join(map(str, self.accepted))
+        segment = configs / f"segment-{start_step:07d}.yaml"
+        if segment.exists():
+            segment.rename(configs / f"segment-{start_step:07d}.{stamp}.yaml")
+        segment.write_text(header + "\n" + self.yaml)
+        (run_dir / "config.yaml").write_text(self.yaml)
+        return segment

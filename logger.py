@@ -41,6 +41,7 @@ order, each resuming the run).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -88,6 +89,64 @@ def format_line(record: dict, total_steps: int | None = None) -> str:
         if value is not None:
             parts.append(f"{label} {format_duration(value) if fmt is None else fmt.format(value)}")
     return " | ".join(parts)
+
+
+class StepClock:
+    """Step time, throughput, MFU and ETA for the records of the log steps, with evaluations
+    timed apart (`evaluation()`): the step time and throughput are training's alone; the ETA
+    adds the evaluations still to come. Read `measure(step)` right after the log step's host
+    sync, so each interval covers the GPU work of its steps."""
+
+    def __init__(
+        self,
+        *,
+        start_step: int,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_tflops: float | None,
+        world_size: int,
+        eval_every: int = 0,
+    ):
+        self.start_step, self.total_steps = start_step, total_steps
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.world_size, self.eval_every = peak_tflops, world_size, eval_every
+        self.t_start = self.t_last = time.perf_counter()
+        self.step_last = start_step
+        self.eval_total = self.eval_interval = self.eval_last = 0.0
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        t0 = time.perf_counter()
+        yield
+        self.eval_last = time.perf_counter() - t0
+        self.eval_total += self.eval_last
+        self.eval_interval += self.eval_last
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def measure(self, step: int) -> dict:
+        now = time.perf_counter()
+        step_time = (now - self.t_last - self.eval_interval) / (step - self.step_last)
+        train_s = now - self.t_start - self.eval_total
+        evals_left = 0
+        if self.eval_every:
+            evals_left = self.total_steps // self.eval_every - step // self.eval_every
+            evals_left += step < self.total_steps and self.total_steps % self.eval_every != 0
+        steps_left = self.total_steps - step
+        eta = steps_left * train_s / (step - self.start_step) + evals_left * self.eval_last
+        tps = self.tokens_per_step / step_time
+        per_device = tps / self.world_size
+        mfu = self.flops_per_token * per_device / (self.peak * 1e12) if self.peak else None
+        self.t_last, self.step_last, self.eval_interval = now, step, 0.0
+        return dict(
+            tokens_per_s=tps,
+            tokens_per_s_per_device=per_device,
+            mfu=mfu,
+            step_time_s=step_time,
+            eta_s=eta,
+        )
 
 
 def new_run_id() -> str:

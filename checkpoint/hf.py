@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from checkpoint import store
+from checkpoint.manager import resumes
 from errors import ConfigError
 from model.config import ModelConfig
 from model.hf import (
@@ -57,6 +58,7 @@ from model.hf import (
     hf_shapes,
     hf_sources,
     hf_tensor,
+    model_config_for_hf,
     our_shapes,
     weight_layout,
 )
@@ -423,3 +425,30 @@ def export_checkpoint(
     GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out)
     tok.save_pretrained(out)
     return path
+
+
+def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
+    """Step 2 of train.run: the model config to build, and the Hugging Face folder to load its
+    weights from (None: the seeded init).
+
+    With model.init_from set, its config.json gives the shape (model=hf) or must agree with
+    the model config (model/hf.py `model_config_for_hf`). Resume wins: when the run will load a
+    checkpoint (`checkpoint.manager.resumes`: checkpoint.resume is a path, or auto and the
+    run's checkpoint directory holds a complete one) the HF weights are neither fetched nor
+    loaded, only config.json is read; init_from is used when the run starts at step 0. Rank 0
+    decides and fetches first; the others wait for it (`from_rank0`)."""
+    m = cfg.model
+    if not m.init_from:
+        if m.shape_from_hf:
+            raise ConfigError(
+                "model=hf takes the model shape from model.init_from; set "
+                "model.init_from=<Hugging Face folder or hub name>"
+            )
+        return m, None
+    resuming = from_rank0(lambda: resumes(cfg.checkpoint, run_dir))
+    folder = resolve_init_from(m.init_from, weights=not resuming)
+    mcfg = model_config_for_hf(m, read_hf_config(folder))
+    if resuming:
+        return mcfg, None
+    hf_weight_files(folder)  # present before anything is built
+    return mcfg, folder

@@ -12,7 +12,13 @@ and data/token_cache.py for the prepared, memory-mapped token files of data=hf
 """
 
 from data.config import DataConfig
-from data.loader import PackedLoader, StreamingLoader, build_eval_batches, build_loader
+from data.loader import (
+    PackedLoader,
+    StreamingLoader,
+    build_data,
+    build_eval_batches,
+    build_loader,
+)
 from data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
@@ -21,6 +27,7 @@ __all__ = [
     "HFTokenizer",
     "PackedLoader",
     "StreamingLoader",
+    "build_data",
     "build_eval_batches",
     "build_loader",
     "build_tokenizer",

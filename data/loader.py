@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterator
 
 import datasets
@@ -347,3 +348,30 @@ def build_eval_batches(
     local = global_batch_size // dp_size
     rows = np.stack(samples).reshape(batches, global_batch_size, cfg.seq_len + 1)
     return torch.from_numpy(rows[:, dp_rank * local : (dp_rank + 1) * local].astype(np.int64))
+
+
+def build_data(
+    cfg: DataConfig,
+    tok,
+    *,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    eval_batches: int = 0,
+    log=print,
+) -> tuple[PackedLoader | StreamingLoader, torch.Tensor | None]:
+    """The training loader and, with eval_batches > 0, this rank's held-out batches; `log`
+    gets a line before (preparing) and after (ready, how long, how many samples). With
+    evaluation on, the held-out documents (data.eval_fraction) leave the training data unless
+    data.eval_split names a split of their own."""
+    t0 = time.perf_counter()
+    log(f"data: preparing data={cfg.name} (seq_len {cfg.seq_len})")
+    layout = dict(global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    loader = build_loader(cfg, tok, **layout, hold_out=eval_batches > 0 and cfg.eval_split is None)
+    held_out = None
+    what = f"{loader.samples_per_epoch:,} samples per epoch" if loader.samples_per_epoch else ""
+    if eval_batches > 0:
+        held_out = build_eval_batches(cfg, tok, batches=eval_batches, **layout)
+        what += f"; {eval_batches} held-out batches"
+    log(f"data: ready in {time.perf_counter() - t0:.1f}s ({what or 'streaming'})")
+    return loader, held_out

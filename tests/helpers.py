@@ -19,9 +19,9 @@ from checkpoint import TrainState, training_state
 from config import OptimConfig
 from model.config import ModelConfig
 from optim import build_scheduler
-from train import train_step
+from steps import train_step
 
-#: Environment for train.py subprocesses of CPU tests (train.launch(..., env=CPU_ENV)).
+#: Environment for train.py subprocesses of CPU tests (runtime.launch(..., env=CPU_ENV)).
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 SEQ, BATCH, VOCAB = 32, 8, 258

@@ -30,9 +30,9 @@ from config import ConfigError
 from model.init import init_weights
 from model.llama import Llama
 from parallel.tp import apply_reference_tp
+from steps import train_step
 from tests.distributed import run_distributed
 from tests.helpers import MODEL, FakeLoader, build_training, full_logits_loss, run_steps
-from train import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 #: fsdp(4) -> fsdp(2) / tp(2) changes only the order of floating-point reductions (gradient

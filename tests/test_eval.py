@@ -15,11 +15,12 @@ from data import ByteTokenizer, DataConfig, build_eval_batches, build_loader
 from data.packing import pack_dataset
 from data.sources import embedded_dataset, held_out_mask, is_held_out
 from runlog import read_metrics
+from runtime import launch
+from steps import evaluate
 from tests.distributed import run_distributed
 from tests.harness.resume import keep_only_checkpoint
 from tests.helpers import CPU_ENV
 from tests.test_data import DOCS, expected_stream, hf_cfg, write_files
-from train import evaluate, launch
 
 TOK = ByteTokenizer()
 

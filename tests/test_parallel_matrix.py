@@ -32,9 +32,9 @@ from model.llama import Linear, Llama, RMSNorm, output_head, rms_norm
 from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
+from steps import train_step
 from tests.distributed import run_distributed
 from tests.helpers import full_logits_loss
-from train import train_step
 
 STEPS = 20
 GLOBAL_BATCH = 8

@@ -26,10 +26,10 @@ from config import (
 )
 from optim import apply_config, build_optimizer, build_scheduler, lr_lambda
 from runlog import read_metrics
+from runtime import launch
 from tests.harness.resume import keep_only_checkpoint
 from tests.helpers import CPU_ENV
 from tests.test_eval import TINY
-from train import launch
 
 
 def resolved(*overrides: str) -> str:

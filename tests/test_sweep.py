@@ -8,9 +8,9 @@ import pytest
 
 import sweep
 from runlog import read_metrics
+from runtime import exit_status, launch
 from tests.helpers import CPU_ENV
 from tests.test_eval import TINY
-from train import exit_status, launch
 
 SWEEP = ["optim.lr=1e-3,3e-3", "train.steps=3", *TINY, "checkpoint=none"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from runlog import read_metrics
+from runtime import launch
 from tests.harness.resume import keep_only_checkpoint
 from tests.helpers import CPU_ENV
-from train import launch
 
 
 def train(tmp: Path, name: str, *overrides: str, nproc: int = 1, timeout: int = 600):

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from train import launch  # noqa: E402
+from runtime import launch  # noqa: E402
 
 SM90_RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 

@@ -35,7 +35,8 @@ def _run(recipe_name: str, quantized_init: bool, mode: str, every: int = 1):
     from parallel import ParallelConfig, ParallelDims
     from recipes import build_recipe
     from recipes.config import RecipeConfig
-    from train import build_parallel_model, train_step
+    from steps import train_step
+    from train import build_parallel_model
 
     compat.apply_all()  # what train.py does before building a model
     cfg = ModelConfig(

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from model import te_available
+from steps import train_step
 from tests.distributed import free_port
-from train import train_step
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,7 +23,7 @@ from model import te_available
 from model.config import ModelConfig, RopeScalingConfig
 from model.init import init_weights
 from model.llama import Llama
-from train import train_step
+from steps import train_step
 
 pytestmark = [
     pytest.mark.gpu,

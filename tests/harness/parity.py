@@ -50,7 +50,8 @@ from parallel.dims import LAYOUTS
 from parallel.indices import local_global_indices
 from recipes import build_recipe
 from recipes.config import RecipeConfig
-from train import build_parallel_model, train_step
+from steps import train_step  # noqa: E402
+from train import build_parallel_model
 
 #: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
 #: change the order of bf16 sums (TP partial sums, reduce-scatter) and FP8 scales are per

@@ -16,7 +16,7 @@
               must resume from the middle checkpoint (`resumed`)
     compare   the losses after the middle, B against A, must be bitwise equal (`second_half`)
 
-Who runs it how: this command line starts each run as a train.py subprocess (`train.launch`,
+Who runs it how: this command line starts each run as a train.py subprocess (`runtime.launch`,
 one table row per recipe x quantized_init x checkpoint mode); tests/harness/matrix.py runs
 train.run() in-process inside one torchrun job; tests/harness/scale.py compares the runs of
 tests/gpu/suite.sh's scale stage (launched by the script, copied by `--copy-checkpoint`) with
@@ -163,7 +163,7 @@ def format_table(rows: list[dict], keys: tuple[str, ...] = ("case",), timing: bo
 
 def subprocess_runner(nproc: int, resume_nproc: int | None = None) -> Runner:
     """Each run as a train.py subprocess: A on `nproc` processes, B on `resume_nproc`."""
-    from train import launch
+    from runtime import launch
 
     def run(overrides: list[str], label: str) -> str | None:
         n = nproc if label == "A" else resume_nproc or nproc

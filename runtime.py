@@ -1,0 +1,90 @@
+"""The process a run lives in: its device, stop signals, peak memory, exit statuses, and
+starting train.py as a subprocess (for tools and test harnesses that need whole runs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from errors import ConfigError
+
+#: Exit status after a checkpoint saved on a stop signal (Slurm's --signal or SIGTERM);
+#: slurm/train.sbatch turns it into `scontrol requeue`.
+EXIT_REQUEUE = 3
+
+ROOT = Path(__file__).resolve().parent
+
+
+def pick_device(name: str) -> torch.device:
+    """train.device: auto (CUDA when visible), cpu or cuda (this process's LOCAL_RANK GPU)."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+class StopSignal:
+    """Turns SIGUSR1 (Slurm's early warning) and SIGTERM (preemption) into a flag the loop
+    checks at log steps (where it syncs anyway), so every rank stops after the same step and
+    the checkpoint is written between steps, never inside one."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def agreed(self, device) -> bool:
+        """All ranks stop at the same step if any rank got the signal."""
+        flag = torch.tensor([float(self.received is not None)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def exit_status(statuses: list[int]) -> int:
+    """0 when every job succeeded; else the failing jobs' status when they agree, else 1."""
+    failed = sorted({s for s in statuses if s != 0})
+    return 0 if not failed else failed[0] if len(failed) == 1 else 1
+
+
+def launch(
+    overrides: list[str],
+    *,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess:
+    """Run train.py with the Hydra `overrides` in a new process from the repository root,
+    under `torchrun --standalone --nproc_per_node=<nproc>` when nproc > 1; stdout and stderr
+    are captured as text. `env` adds to (or replaces in) this process's environment."""
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(
+        [*cmd, "train.py", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
