@@ -171,6 +171,8 @@ def run(cfg: Config) -> int:
         eval_batches=cfg.eval.batches if cfg.eval.every > 0 else 0,
         log=lambda line: say(line, flush=True),
     )
+    if eval_batches is not None:
+        say(f"eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps", flush=True)
 
     # 10. Run directory, checkpoint resume, logger (in that order: the checkpoint's config is
     #     compared with this one as soon as it is read, before any other part loads or the

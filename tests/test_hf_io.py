@@ -221,6 +221,7 @@ def test_resume_wins_over_init_from(tmp_path):
         "checkpoint.interval=1",
         f"run.root={tmp_path}",
         "run.name=r",
+        "optim.schedule_steps=2",  # one schedule for both segments
     ]
     run_distributed(_train, 1, [*run, "train.steps=1"])
     for f in folder.glob("*.safetensors"):
