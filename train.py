@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import hydra
 import torch
@@ -26,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import compat
 from checkpoint import CheckpointManager, TrainState, training_state
+from checkpoint.preflight import prepare_run_dir
 from config import Config, register_configs, validate, validate_batch
 from data import build_loader, build_tokenizer
 from errors import ConfigError
@@ -185,6 +185,9 @@ def run(cfg: Config) -> int:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
+    # The run directory: writable, room for a checkpoint, and locked by rank 0 (one run at a
+    # time); checkpoint/preflight.py.
+    run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
 
     # 2. Processes, mesh, and the fixes torch / TE need (compat/): the mesh object owns every
     #    process group; the fixes go in before anything builds a module.
@@ -214,16 +217,16 @@ def run(cfg: Config) -> int:
         dp_size=dims.dp_size,
     )
 
-    # 8. Run directory, checkpoint resume, logger (in that order: the logger trims metrics
-    #    to the resumed step and reuses the wandb id stored in the checkpoint).
-    run_dir = Path(cfg.run.root) / cfg.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # 8. Checkpoint resume, then the logger (it trims metrics to the resumed step and reuses
+    #    the wandb id stored in the checkpoint).
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     train_state = TrainState(config_yaml=config_yaml)
     state = training_state(
         model, optimizer, scheduler, loader, train_state, te_recipe=recipe.te_recipe()
     )
-    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank=rank, world_size=world_size)
+    ckpt = CheckpointManager(
+        cfg.checkpoint, run_dir, rank=rank, world_size=world_size, lock=run_lock
+    )
     start_step = ckpt.resume(state)
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
@@ -277,6 +280,7 @@ def run(cfg: Config) -> int:
             autocast=autocast,
         )
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
+        ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
         if (trace := profiler.end(step)) is not None:
             logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
 
@@ -305,6 +309,7 @@ def run(cfg: Config) -> int:
                     **ckpt.stats(),
                 )
             )
+            ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
             t_last, step_last = time.perf_counter(), step
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
             stopping = stop is not None and stop.agreed(device)
