@@ -80,7 +80,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint import hashing, store
+from checkpoint import hashing, staging, store
 from checkpoint.config import CheckpointConfig, validate
 from checkpoint.planners import BlockLoadPlanner
 from checkpoint.state import ModelState, TrainState
@@ -115,7 +115,7 @@ class _Pending:
     start: float
     blocking_s: float
     wait_s: float  # of blocking_s: waiting for a free staging buffer
-    stage_s: float
+    staging: dict[str, float]  # of blocking_s: drain_s, state_dict_s, alloc_s, stage_s
     bytes: int
     buffer: int
     end: list[float] = field(default_factory=list)
@@ -254,14 +254,12 @@ class CheckpointManager:
         self._writer = None
         self._buffer_version = 0
         if cfg.mode in ("async", "async_process"):
-            from checkpoint.staging import Stager
-
             process = cfg.mode == "async_process"
             if process:
                 from checkpoint.writer_process import WriterProcess
 
                 self._writer = WriterProcess(rank, world_size, self._pg)
-            self._stager = Stager(
+            self._stager = staging.Stager(
                 buffers=cfg.staging_buffers,
                 shared=process,
                 log=self._log,
@@ -355,8 +353,8 @@ class CheckpointManager:
             small = [n for n in (".metadata", store.CONFIG_FILE) if n in manifest["files"]]
             try:
                 problem = store.verify_hashes(found.path, small, manifest)
-            except ConfigError as e:
-                problem = str(e)
+            except ConfigError as e:  # e.g. xxh3-64 recorded, xxhash missing: not damage
+                return {"path": None, "step": 0, "error": f"checkpoint {found.path}: {e}"}
         problem = problem or self._metadata_problem(found.path)
         if problem:
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
@@ -412,14 +410,15 @@ class CheckpointManager:
                 problem = next((p for p in found if p), None)
             else:
                 problem = store.verify_hashes(path, mine, manifest)
-        except ConfigError as e:  # e.g. xxh3-64 recorded, xxhash missing
-            problem = str(e)
+            failure = (self._damaged(path, problem, hint)) if problem else None
+        except ConfigError as e:  # e.g. xxh3-64 recorded, xxhash missing: not damage
+            failure = f"checkpoint {path}: {e}"
         if self._pg is not None:
             everyone: list[Any] = [None] * dist.get_world_size(self._pg)
-            dist.all_gather_object(everyone, problem, group=self._pg)
-            problem = next((p for p in everyone if p), None)
-        if problem:
-            raise ConfigError(self._damaged(path, problem, hint))
+            dist.all_gather_object(everyone, failure, group=self._pg)
+            failure = next((p for p in everyone if p), None)
+        if failure:
+            raise ConfigError(failure)
         if hashed:
             size = sum(e["size"] for e in manifest["files"].values())
             self._log(
@@ -564,9 +563,13 @@ class CheckpointManager:
     def save(self, step: int, state: Mapping[str, Any]) -> dict[str, float]:
         """Save `step` now (on every rank), waiting for a staging buffer if all are busy."""
         t0 = time.perf_counter()
-        self.check_finite(step)
+        planned = None
         if self._stager is not None:
+            # CPU work first, while the device finishes the step: what to copy, where.
+            planned = staging.plan(state)
             self._agree()  # raises an earlier failure on every rank alike
+        drain = _drain_device()  # the steps already queued on the device
+        self.check_finite(step)
         waited = self._wait_for_buffer()
         tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
         if self.rank == 0:
@@ -590,24 +593,36 @@ class CheckpointManager:
                 )
             except _ERRORS as e:
                 raise self._failure(step, tmp, e, _state_bytes(state)) from None
-            blocking = time.perf_counter() - t0
             size = self._commit(tmp, step, out["file_hashes"], save_id) if self.rank == 0 else 0
-            total = time.perf_counter() - t0
+            blocking = total = time.perf_counter() - t0
             self._record(
                 step,
                 blocking_s=blocking,
                 total_s=total,
+                drain_s=drain,
                 write_s=out["write_s"],
                 bytes=out["bytes"],
                 checkpoint_bytes=size,
             )
         else:
             index = self._free_index()
-            staged = self._stager.stage(state, index)
+            staged = self._stager.stage(planned, index)
             blocking = time.perf_counter() - t0
             future = self._executor.submit(self._write, staged, tmp, step, save_id)
             pending = _Pending(
-                step, future, t0, blocking, waited, staged.stage_s, staged.nbytes, staged.buffer
+                step,
+                future,
+                t0,
+                blocking,
+                waited,
+                {
+                    "drain_s": drain,
+                    "state_dict_s": staged.state_dict_s,
+                    "alloc_s": staged.alloc_s,
+                    "stage_s": staged.stage_s,
+                },
+                staged.nbytes,
+                staged.buffer,
             )
             future.add_done_callback(lambda _: pending.end.append(time.perf_counter()))
             self._pending.append(pending)
@@ -756,7 +771,7 @@ class CheckpointManager:
             blocking_s=pending.blocking_s,
             total_s=end - pending.start,
             wait_prev_s=pending.wait_s,
-            stage_s=pending.stage_s,
+            **pending.staging,
             queue_s=max(0.0, out["write_start"] - (pending.start + pending.blocking_s)),
             **({"start_wait_s": out["start_wait_s"]} if "start_wait_s" in out else {}),
             write_s=out["write_s"],
@@ -845,8 +860,11 @@ class CheckpointManager:
     def stats(self) -> dict[str, float]:
         """The newest save completed since the last call, for the metrics log: save_step,
         save_blocking_s (what the loop waited), save_total_s (start to commit), and where
-        measured save_stage_s (the copy into the staging buffer), save_queue_s (staged to
-        write start), save_write_s (the DCP save), save_bytes (this rank's bytes),
+        measured save_stage_s (the copy into the staging buffer; save_state_dict_s and
+        save_alloc_s: the Statefuls' state_dict() calls and buffer allocation before it),
+        save_drain_s (waiting for the device to finish the step already queued: part of the
+        blocking time, though the device was busy anyway),
+        save_wait_prev_s (waiting for a free buffer), save_queue_s (staged to write start), save_write_s (the DCP save), save_bytes (this rank's bytes),
         save_checkpoint_bytes (rank 0: the whole checkpoint). Empty when none completed."""
         self._poll()
         done, self._completed = self._completed, []
@@ -864,6 +882,16 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
+
+
+def _drain_device() -> float:
+    """Wait for the work queued on this rank's GPU (the step just launched); its seconds.
+    Part of what the loop waits for at a save, but time the device was busy anyway."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0.0
+    t0 = time.perf_counter()
+    torch.cuda.current_stream().synchronize()
+    return time.perf_counter() - t0
 
 
 def _state_bytes(state: Mapping[str, Any]) -> int:

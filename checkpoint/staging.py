@@ -105,8 +105,11 @@ class Staged:
     buffer: int
     copied: list[Copied]
     nbytes: int
+    #: Seconds: the copies and their synchronize; the Statefuls' state_dict() calls and the
+    #: walk (plan); waiting for (or doing) the buffer allocation.
     stage_s: float = 0.0
     state_dict_s: float = 0.0
+    alloc_s: float = 0.0
 
 
 @dataclass
@@ -117,6 +120,7 @@ class _Plan:
     copied: list[tuple[torch.Tensor, Copied]]
     nbytes: int
     signature: tuple = field(default=())
+    seconds: float = 0.0
 
 
 # -- planning --------------------------------------------------------------------------------
@@ -153,6 +157,7 @@ def _describe(t: torch.Tensor):
 
 def plan(state: Mapping[str, Any]) -> _Plan:
     """Walk the state (Statefuls asked for their state_dict) into a plan; no copies yet."""
+    t0 = time.perf_counter()
     slots: list[Slot] = []
     sources: list[torch.Tensor] = []
     copied: list[tuple[torch.Tensor, Copied]] = []
@@ -184,7 +189,7 @@ def plan(state: Mapping[str, Any]) -> _Plan:
         for k, part in state.items()
     }
     signature = tuple((s.dtype, s.shape, s.blocks) for s in slots)
-    return _Plan(skeleton, slots, sources, copied, offset, signature)
+    return _Plan(skeleton, slots, sources, copied, offset, signature, time.perf_counter() - t0)
 
 
 # -- buffers and views ---------------------------------------------------------------------
@@ -211,7 +216,10 @@ def allocate(nbytes: int, *, shared: bool) -> tuple[torch.Tensor, bool]:
         buf = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,))
     else:
         buf = torch.empty(n, dtype=torch.uint8)
-    return buf, _pin(buf)
+    pinned = _pin(buf)  # registering pins (and so maps) every page
+    if not pinned:
+        buf.zero_()  # map the pages now, not during the first save's copy
+    return buf, pinned
 
 
 def make_views(buffer: torch.Tensor, slots: list[Slot]) -> list[torch.Tensor]:
@@ -419,12 +427,12 @@ class Stager:
 
         threading.Thread(target=run, name="ckpt-stage-alloc", daemon=True).start()
 
-    def stage(self, state: Mapping[str, Any], index: int) -> Staged:
-        """Copy the state into buffer `index` (allocating on first use or when the tensors
-        changed). Returns when the copy is complete."""
+    def stage(self, state: Mapping[str, Any] | _Plan, index: int) -> Staged:
+        """Copy the state (or its `plan`, made earlier) into buffer `index` (allocating on
+        first use or when the tensors changed). Returns when the copy is complete."""
         t0 = time.perf_counter()
-        p = plan(state)
-        t_plan = time.perf_counter() - t0
+        p = state if isinstance(state, _Plan) else plan(state)
+        t_plan = time.perf_counter()
         if self._alloc is not None:
             alloc, self._alloc = self._alloc, None
             alloc.result()
@@ -434,6 +442,7 @@ class Stager:
                 if self._before_reallocate is not None:
                     self._before_reallocate()  # no write may still read the old buffers
             self._allocate(p)
+        t_alloc = time.perf_counter()
         index = min(index, len(self.buffers) - 1)
         views = self.views[index]
         devices = set()
@@ -451,8 +460,9 @@ class Stager:
             buffer=index,
             copied=copies,
             nbytes=p.nbytes + sum(c.tensor.nbytes for c in copies),
-            stage_s=time.perf_counter() - t0,
-            state_dict_s=t_plan,
+            stage_s=time.perf_counter() - t_alloc,
+            state_dict_s=p.seconds + (t_plan - t0),
+            alloc_s=t_alloc - t_plan,
         )
 
     def state_dict(self, staged: Staged) -> dict:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from checkpoint import preflight, runlock, store
+from checkpoint import hashing, preflight, runlock, store
 from errors import ConfigError, NonFiniteLossError
 from tests.ckpt_harness import Loader, Run, committed
 from tests.distributed import run_distributed
@@ -150,6 +150,38 @@ def test_garbage_config_yaml_is_refused(tmp_path, checksum):
         assert "file config.yaml fails its" in msg
     else:
         assert "config.yaml is not a readable config (" in msg
+
+
+def test_hash_algorithm_follows_the_checkpoint(tmp_path, monkeypatch):
+    """Without the xxhash package saves record CRC32; a checkpoint that records xxh3-64 then
+    stops with one line saying what to install (it is not reported as damaged)."""
+    monkeypatch.setattr(hashing, "xxhash", None)
+    Run(tmp_path / "crc", interval=2).train(2)
+    manifest = store.read_manifest(tmp_path / "crc" / "checkpoints" / "step_0000002")
+    assert all("crc32" in e for e in manifest["files"].values())
+    monkeypatch.undo()
+    start, _ = Run(tmp_path / "crc", interval=2).train(3)  # CRC32 verifies anywhere
+    assert start == 2
+    if hashing.xxhash is not None:
+        Run(tmp_path / "xxh", interval=2).train(2)
+        monkeypatch.setattr(hashing, "xxhash", None)
+        with pytest.raises(ConfigError) as e:
+            Run(tmp_path / "xxh", interval=2).train(3)
+        assert "records xxh3-64 hashes but the xxhash package is not installed" in str(e.value)
+        assert "damaged" not in str(e.value)
+
+
+def test_bad_checkpoint_fields_are_one_line():
+    from checkpoint.config import validate
+    from tests.ckpt_harness import ckpt_cfg
+
+    for kw, match in (
+        (dict(when_busy="later"), "checkpoint.when_busy='later' is not one of defer, skip, wait"),
+        (dict(staging_buffers=3), "checkpoint.staging_buffers=3 must be 1 or 2"),
+        (dict(write_threads=0), r"checkpoint.write_threads=0 must be in 1..64"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            validate(ckpt_cfg(**kw))
 
 
 def test_store_layout_checks(tmp_path):

@@ -16,14 +16,17 @@ included, checkpoint.keep_last=1) and the per-save records the checkpoint manage
 <run_dir>/checkpoint_saves.jsonl (rank 0). Prints each save, then the summary table last:
 
 - bytes: the checkpoint (all ranks, from its manifest);
-- staging GB/s: rank 0's bytes / its staging copy time (async modes);
+- staging GB/s: rank 0's bytes / its staging copy time (the copies and their synchronize;
+  the Statefuls' state_dict() calls before it are listed per save) (async modes);
 - write GB/s: checkpoint bytes / the DCP save time (rank 0's save returns after every rank
   wrote, so this is the aggregate rate to compare with the disk ceiling);
-- blocked/save: what the training loop waited per periodic save (mean; the first save and
-  the final save are listed apart: the final save may wait for a busy writer by design);
+- blocked/save: what the training loop waited per periodic save, less "device drain" (the
+  wait for the GPU to finish the step already queued when the save began: the GPU was busy
+  with it anyway, and the loop would have waited for it at its next sync); mean, with the
+  first save and the final save apart (the final save may wait for a busy writer by design);
 - total/save: save start to commit, mean; "queued" is the time a save waited for a free
   staging buffer or behind the previous save for the writer (staging_buffers=2), so
-  total - queued is the save's own time (staging + write + commit).
+  total - queued (less the device drain) is the save's own time (staging + write + commit).
 
 Targets (issue #14), checked at the end: async blocked/save <= 0.5 s and <= 5% of sync's;
 total - queued <= 1.25 x bytes / disk ceiling; staging >= 70% of the D2H ceiling; write >= 80%
@@ -207,6 +210,12 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _own_blocking(s: dict) -> float:
+    """What a save blocked the loop for, less the wait for the device to finish the step that
+    was already queued (the device was busy with it anyway)."""
+    return s["save_blocking_s"] - s.get("save_drain_s", 0.0)
+
+
 def summarize(result: dict, steps: int) -> dict:
     saves = result["saves"]
     periodic = [s for s in saves if s["save_step"] != steps]
@@ -219,7 +228,10 @@ def summarize(result: dict, steps: int) -> dict:
         if s.get("save_write_s") and s.get("save_checkpoint_bytes")
     ]
     own = [
-        s["save_total_s"] - s.get("save_queue_s", 0.0) - s.get("save_wait_prev_s", 0.0)
+        s["save_total_s"]
+        - s.get("save_queue_s", 0.0)
+        - s.get("save_wait_prev_s", 0.0)
+        - s.get("save_drain_s", 0.0)
         for s in saves
     ]
     return {
@@ -228,11 +240,10 @@ def summarize(result: dict, steps: int) -> dict:
         "bytes": gib,
         "stage_gbps": _mean(stage),
         "write_gbps": _mean(write),
-        "blocked_first": periodic[0]["save_blocking_s"] if periodic else None,
-        "blocked_mean": _mean([s["save_blocking_s"] for s in rest]),
-        "blocked_final": next(
-            (s["save_blocking_s"] for s in saves if s["save_step"] == steps), None
-        ),
+        "blocked_first": _own_blocking(periodic[0]) if periodic else None,
+        "blocked_mean": _mean([_own_blocking(s) for s in rest]),
+        "blocked_final": next((_own_blocking(s) for s in saves if s["save_step"] == steps), None),
+        "drain_mean": _mean([s.get("save_drain_s") for s in saves]),
         "total_mean": _mean([s["save_total_s"] for s in saves]),
         "queued_mean": _mean(
             [s.get("save_queue_s", 0.0) + s.get("save_wait_prev_s", 0.0) for s in saves]
@@ -297,15 +308,19 @@ def main(argv: list[str]) -> int:
     rows = [summarize(r, args.steps) for r in results]
 
     print(
-        "\nper save (rank 0): mode | step | blocked s (of it: waiting for a free buffer; "
-        "staging) | queued s | writer start wait s | write s | total s"
+        "\nper save (rank 0): mode | step | blocked s (of it: device finishing the queued step; "
+        "waiting for a free buffer; state_dict() calls; buffer allocation; the copy) | "
+        "queued s | writer start wait s | write s | total s"
     )
     for r in results:
         for s in r["saves"]:
+            parts = "; ".join(
+                _f(s.get(f"save_{k}"), "{:.3f}")
+                for k in ("drain_s", "wait_prev_s", "state_dict_s", "alloc_s", "stage_s")
+            )
             print(
-                f"  {r['mode']} | {s['save_step']} | {s['save_blocking_s']:.3f} "
-                f"({_f(s.get('save_wait_prev_s'), '{:.3f}')}; "
-                f"{_f(s.get('save_stage_s'), '{:.3f}')}) | {_f(s.get('save_queue_s'), '{:.3f}')} | "
+                f"  {r['mode']} | {s['save_step']} | {s['save_blocking_s']:.3f} ({parts}) | "
+                f"{_f(s.get('save_queue_s'), '{:.3f}')} | "
                 f"{_f(s.get('save_start_wait_s'), '{:.3f}')} | "
                 f"{s['save_write_s']:.3f} | {s['save_total_s']:.3f}"
             )
@@ -332,8 +347,8 @@ def main(argv: list[str]) -> int:
 
     header = (
         "| mode | ranks | saves (deferred/skipped) | GiB/save | staging GB/s/rank | write GB/s "
-        "| blocked/save s (first; mean rest; final) | total/save s | queued s | total-queued s "
-        "| step s |"
+        "| blocked/save s (first; mean rest; final) | device drain s | total/save s | queued s "
+        "| total-queued s | step s |"
     )
     print(
         f"\nceilings: {what} {d2h:.2f} GB/s/rank; disk {disk:.2f} GB/s "
@@ -347,8 +362,8 @@ def main(argv: list[str]) -> int:
             f"{_f(r['bytes'] and r['bytes'] / 2**30, '{:.2f}')} | {_f(r['stage_gbps'])} | "
             f"{_f(r['write_gbps'])} | {_f(r['blocked_first'], '{:.3f}')}; "
             f"{_f(r['blocked_mean'], '{:.3f}')}; {_f(r['blocked_final'], '{:.3f}')} | "
-            f"{_f(r['total_mean'])} | {_f(r['queued_mean'])} | {_f(r['own_mean'])} | "
-            f"{_f(r['step_s'], '{:.3f}')} |"
+            f"{_f(r['drain_mean'], '{:.3f}')} | {_f(r['total_mean'])} | "
+            f"{_f(r['queued_mean'])} | {_f(r['own_mean'])} | {_f(r['step_s'], '{:.3f}')} |"
             + ("" if r["status"] == 0 else f" (exit status {r['status']})")
         )
     if args.json:
