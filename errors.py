@@ -8,3 +8,8 @@ on rank 0 and exits with status 2, before any expensive work where the check all
 
 class ConfigError(ValueError):
     """A configuration the run cannot use. The message is one line: field, problem, fix."""
+
+
+class NonFiniteLossError(ConfigError):
+    """The loss became nan or inf: the run stops (one line) and saves nothing of that step or
+    later. A ConfigError because the fix is in the inputs (learning rate, data, precision)."""

@@ -28,6 +28,7 @@ import compat
 import sweep
 from checkpoint import CheckpointManager, TrainState, training_state
 from checkpoint.hf import load_hf_weights, model_source
+from checkpoint.preflight import prepare_run_dir
 from config import (
     Config,
     SegmentConfig,
@@ -142,6 +143,9 @@ def run(cfg: Config) -> int:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
+    # The run directory: writable, room for a checkpoint, and locked by rank 0 (one run at a
+    # time); checkpoint/preflight.py.
+    run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
 
     # 4. Mesh, and the fixes torch / TE need (compat/): the mesh object owns every process
     #    group; the fixes go in before anything builds a module.
@@ -178,13 +182,14 @@ def run(cfg: Config) -> int:
     #     compared with this one as soon as it is read, before any other part loads or the
     #     run directory changes; the logger trims metrics to the resumed step and reuses the
     #     wandb id stored in the checkpoint).
-    run_dir.mkdir(parents=True, exist_ok=True)
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
     state = training_state(
         model, optimizer, scheduler, loader, train_state, te_recipe=recipe.te_recipe()
     )
-    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank=rank, world_size=world_size)
+    ckpt = CheckpointManager(
+        cfg.checkpoint, run_dir, rank=rank, world_size=world_size, lock=run_lock
+    )
     start_step = ckpt.resume(state)
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
@@ -257,6 +262,7 @@ def run(cfg: Config) -> int:
             autocast=autocast,
         )
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
+        ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
         if (trace := profiler.end(step)) is not None:
             logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
 
@@ -293,6 +299,7 @@ def run(cfg: Config) -> int:
                     **ckpt.stats(),
                 )
             )
+            ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
             stopping = stop is not None and stop.agreed(device)
 

@@ -4,42 +4,68 @@
     start_step = ckpt.resume(state)       # 0 when starting fresh
     for step in ...:
         ...
+        ckpt.observe_loss(step, loss)     # on device, no sync
         ckpt.maybe_save(step, state)      # every checkpoint.interval steps
     ckpt.finish(step, state)              # final save, wait for async writes, close
 
-Modes: `sync` (dcp.save: the loop waits for the write), `async` (dcp.async_save on a thread:
-the loop waits only for a copy of the state into (pinned, when CUDA is present) CPU memory),
-`async_process` (the same copy, written by DCP's checkpoint process). All collectives of a save
-run on a gloo group of their own, so a background write never interleaves with the training
-loop's collectives.
+Modes (checkpoint/writer.py writes the files in every mode: `write_threads` files per rank in
+parallel, each hashed while written):
+- `sync`: the loop runs the DCP save itself.
+- `async`: the loop waits only while the state is copied into a CPU staging buffer
+  (checkpoint/staging.py: allocated once, pinned with CUDA; planned and allocated in the
+  background at the first step, so the first save finds it ready); a thread of this process
+  runs the DCP save from the copy.
+- `async_process`: the same copy, into shared memory, written by a writer process of this
+  rank (checkpoint/writer_process.py) started with the manager; works in a world of one.
+DCP's collectives run on a gloo group of the manager's own (`_pg`), so a background write
+never interleaves with the training loop's collectives; the loop's own agreements (is a
+staging buffer free, was every loss finite) use a second gloo group (`_ctl`).
+
+A busy writer (checkpoint.when_busy): with `staging_buffers=2` a save that comes due while the
+previous one is written is staged into the other buffer and written next. When no buffer is
+free (all ranks agree on that over `_ctl`), `defer` (default) takes the save at the first
+step a buffer is free, `skip` drops it, `wait` blocks the loop. Saves forced by a stop signal
+and the final save always wait. Each case is logged.
+
+Losses: `observe_loss` keeps, on the device, the first step whose loss was not finite; the
+flag is synced (a scalar all-reduce) before every save and at `check_finite` (log steps).
+A non-finite loss stops the run with a NonFiniteLossError after the saves in flight (all of
+earlier, finite steps) are committed: no checkpoint of that step or later is ever written, so
+nothing good is pruned by it.
 
 Commit (checkpoint/store.py): every save goes to `step_XXXXXXX.tmp/`; rank 0 writes the
-manifest and renames the directory once the save is complete on every rank. DCP's save ends
-with a gather of every rank's write results to rank 0 before rank 0 writes `.metadata`, so
-rank 0's save returning (sync) or its future completing (async) already means every rank
-finished writing: rank 0 commits alone, with no extra barrier; for async saves it does so on
-a thread of its own, off the training loop. The next async save waits for the previous one
-(and its commit); `finish` waits for the last and then holds every rank at a barrier, so a
-finished run always has its last checkpoint committed.
+manifest (each file's size and hash, from the writers) and renames the directory once the
+save is complete on every rank. DCP's save ends with a gather of every rank's write results
+to rank 0 before rank 0 writes `.metadata`, so rank 0's save returning means every rank
+finished writing: rank 0 commits alone, on its writer thread for async modes. `finish` waits
+for the last save and then holds every rank at a barrier, so a finished run always has its
+last checkpoint committed. A failed save commits nothing and prunes nothing; a full disk is
+reported as such, with the space the checkpoint needs.
 
-Resume (`checkpoint.resume`): `auto` takes the newest complete checkpoint of this run's
+Resume (`checkpoint.resume`): `auto` takes the newest step directory of this run's checkpoint
 directory (none: start at step 0); `none` starts fresh; anything else is a path. Before
-loading, rank 0 checks the manifest (every file present with its size, and its CRC32 when
-`checkpoint.checksum` recorded one) and compares the model shape in the checkpoint's
-config.yaml with the current config; every rank then checks that each tensor it will load
-exists in the checkpoint with the same global shape. Each failure is a one-line ConfigError
-on every rank. A damaged checkpoint is never loaded and never skipped silently, in auto mode
-too: the error names the previous complete checkpoint to pass as `checkpoint.resume=<path>`
-(or the damaged directory can be moved away). Resuming from an older step, or with
-resume=none, renames the newer complete checkpoints of this directory to
+loading, rank 0 checks the manifest (present, every file there with its size, each data
+file's trailer naming this save), `.metadata` (readable, same save id) and config.yaml (a
+config whose model shape matches this run); then every rank hashes its share of the files
+against the manifest (checkpoint.checksum), and checks that each tensor it will load exists
+with the same global shape. Each failure is a one-line ConfigError on every rank naming the
+checkpoint and the problem. A damaged checkpoint is never loaded and never skipped, in auto
+mode too: the error names the previous complete checkpoint to pass as
+`checkpoint.resume=<path>` (or the damaged directory can be moved away). Resuming from an
+older step, or with resume=none, renames the newer step directories of this directory to
 `*.abandoned-<time>` (kept, ignored) so the new timeline's saves and pruning never mix with
 them.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import secrets
+import shutil
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,15 +76,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from checkpoint import store
-from checkpoint.config import MODES, CheckpointConfig
-from checkpoint.planners import BlockLoadPlanner, BlockSavePlanner
-from checkpoint.state import TrainState
-from errors import ConfigError
+from checkpoint import hashing, staging, store
+from checkpoint.config import CheckpointConfig, validate
+from checkpoint.planners import BlockLoadPlanner
+from checkpoint.state import ModelState, TrainState
+from checkpoint.writer import os_error_in, write_checkpoint
+from errors import ConfigError, NonFiniteLossError
 
 # Single-process runs save and load without a process group on purpose.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
@@ -74,14 +101,23 @@ SHAPE_FIELDS = (
     "pad_vocab_multiple",
     "tie_embeddings",
 )
+#: Log file of every save (rank 0): one JSON record per save, skip and deferral.
+SAVES_LOG = "checkpoint_saves.jsonl"
+_NO_BAD_STEP = 2**62
+#: What a failed DCP call raises (CheckpointException derives from BaseException).
+_ERRORS = (Exception, CheckpointException)
 
 
 @dataclass
 class _Pending:
     step: int
-    future: Future  # rank 0: upload + commit; other ranks: upload
+    future: Future  # the write (and on rank 0 the commit); its result: the writer's numbers
     start: float
     blocking_s: float
+    wait_s: float  # of blocking_s: waiting for a free staging buffer
+    staging: dict[str, float]  # of blocking_s: drain_s, state_dict_s, alloc_s, stage_s
+    bytes: int
+    buffer: int
     end: list[float] = field(default_factory=list)
 
 
@@ -150,15 +186,35 @@ def request_problems(request: dict, saved: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def stager_closed(stager: Any) -> bool:
-    """True once DefaultStager.close() ran: it empties its copier's dispatch table."""
-    inner = getattr(stager, "_state_dict_stager", None)
-    table = getattr(inner, "_deepcopy_dispatch", None)
-    return table is not None and len(table) == 0
-
-
 def _find(state: Mapping[str, Any], cls: type):
     return next((v for v in state.values() if isinstance(v, cls)), None)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
+class _LossGuard:
+    """The first step whose loss was not finite, kept on the loss's device (no host sync)."""
+
+    def __init__(self):
+        self.first_bad: torch.Tensor | None = None
+
+    def observe(self, step: int, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        if self.first_bad is None:
+            self.first_bad = torch.full((), _NO_BAD_STEP, dtype=torch.int64, device=loss.device)
+        self.first_bad = torch.where(bad, self.first_bad.clamp(max=step), self.first_bad)
+
+    def first(self, group) -> int | None:
+        """The first non-finite step over all ranks (a host sync and, with a group, a scalar
+        all-reduce), or None."""
+        value = torch.tensor([int(self.first_bad.item())])
+        if group is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+        v = int(value.item())
+        return v if v < _NO_BAD_STEP else None
 
 
 class CheckpointManager:
@@ -170,15 +226,9 @@ class CheckpointManager:
         world_size: int = 1,
         *,
         log: Callable[[str], None] | None = None,
+        lock: Any = None,
     ):
-        if cfg.mode not in MODES:
-            raise ConfigError(f"checkpoint.mode={cfg.mode!r} is not one of {', '.join(MODES)}")
-        if cfg.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last={cfg.keep_last} must be >= 1")
-        if cfg.interval < 0:
-            raise ConfigError(
-                f"checkpoint.interval={cfg.interval} must be >= 0 (0: no periodic saves)"
-            )
+        validate(cfg)
         self._dist = dist.is_available() and dist.is_initialized()
         if self._dist and (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
             raise ValueError(
@@ -186,17 +236,13 @@ class CheckpointManager:
                 f"match torch.distributed ({dist.get_rank()}, "
                 f"{dist.get_world_size()}): pass the global rank and world size"
             )
-        if cfg.mode == "async_process" and not self._dist:
-            raise ConfigError(
-                "checkpoint.mode=async_process needs torch.distributed (launch with "
-                "torchrun); use checkpoint=async for a single process"
-            )
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.run_dir = Path(run_dir)
         self.root = checkpoint_root(cfg, self.run_dir)
         self.saving = cfg.mode != "none"
+        self._lock = lock  # the run directory's lock (checkpoint/runlock.py): released at close
         self._log = (
             log
             if log is not None
@@ -206,18 +252,38 @@ class CheckpointManager:
                 else (lambda msg: None)
             )
         )
-        # A group of its own: async writes run collectives from a background thread.
+        # DCP's collectives (a writer thread in async mode) and the loop's agreements.
         self._pg = dist.new_group(backend="gloo") if self._dist else None
-        self._stager = None
-        self._committer = (
-            ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
-            if rank == 0 and cfg.mode in ("async", "async_process")
-            else None
+        self._ctl = dist.new_group(backend="gloo") if self._dist else None
+        # The save id prefix and hash algorithm: rank 0's, so every rank writes the same.
+        self._token, self._algorithm = self._broadcast(
+            (secrets.token_hex(6), hashing.default_algorithm() if cfg.checksum else None)
         )
-        self._pending: _Pending | None = None
+        self._pending: deque[_Pending] = deque()
+        self._deferred: int | None = None
         self._last_saved_step: int | None = None
         self._completed: list[dict[str, float]] = []
+        self._guard = _LossGuard()
+        self._saves = 0
         self._closed = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager = None
+        self._writer = None
+        self._buffer_version = 0
+        if cfg.mode in ("async", "async_process"):
+            process = cfg.mode == "async_process"
+            if process:
+                from checkpoint.writer_process import WriterProcess
+
+                self._writer = WriterProcess(rank, world_size, self._pg)
+            self._stager = staging.Stager(
+                buffers=cfg.staging_buffers,
+                shared=process,
+                log=self._log,
+                on_allocate=self._buffers_allocated,
+                before_reallocate=self._wait_all,
+            )
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -239,6 +305,7 @@ class CheckpointManager:
             return 0
         path, step = Path(decision["path"]), decision["step"]
         t0 = time.perf_counter()
+        self._verify_hashes(path, decision["hint"])
         self._load(path, state)
         train = _find(state, TrainState)
         if train is not None and train.step != step:
@@ -256,6 +323,12 @@ class CheckpointManager:
         self._log(f"resumed from {path} (step {step}) in {time.perf_counter() - t0:.2f}s")
         return step
 
+    def _damaged(self, path: Path, problem: str, hint: str) -> str:
+        return (
+            f"checkpoint {path} is damaged ({problem}) and was not loaded; {hint}, "
+            "or move the damaged directory away"
+        )
+
     def _decide(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Rank 0: which checkpoint to load, or the one-line error every rank will raise."""
         spec = str(self.cfg.resume)
@@ -268,7 +341,7 @@ class CheckpointManager:
                     self._log(f"checkpoint.resume=none: existing checkpoint moved aside: {p}")
             return {"path": None, "step": 0, "error": None}
         if spec == "auto":
-            found = store.newest_complete(self.root)
+            found = store.newest_step(self.root)
             if found is None:
                 return {"path": None, "step": 0, "error": None}
         else:
@@ -283,30 +356,35 @@ class CheckpointManager:
                         "path, or use checkpoint.resume=auto|none"
                     ),
                 }
-        problem = store.verify(found.path, checksum=True)
+        older = [c for c in store.list_complete(found.path.parent) if c.step < found.step]
+        hint = (
+            f"pass checkpoint.resume={older[-1].path} to resume from the previous "
+            "complete checkpoint"
+            if older
+            else "there is no earlier complete checkpoint; use checkpoint.resume=none to "
+            "start fresh"
+        )
+        problem = store.verify_layout(found.path)
+        if not problem and self.cfg.checksum:  # the small files rank 0 reads next, first
+            manifest = store.read_manifest(found.path)
+            small = [n for n in (".metadata", store.CONFIG_FILE) if n in manifest["files"]]
+            try:
+                problem = store.verify_hashes(found.path, small, manifest)
+            except ConfigError as e:  # e.g. xxh3-64 recorded, xxhash missing: not damage
+                return {"path": None, "step": 0, "error": f"checkpoint {found.path}: {e}"}
+        problem = problem or self._metadata_problem(found.path)
         if problem:
-            older = [c for c in store.list_complete(found.path.parent) if c.step < found.step]
-            hint = (
-                f"pass checkpoint.resume={older[-1].path} to resume from the previous "
-                "complete checkpoint"
-                if older
-                else "there is no earlier complete checkpoint; use checkpoint.resume=none to "
-                "start fresh"
-            )
-            return {
-                "path": None,
-                "step": 0,
-                "error": (
-                    f"checkpoint {found.path} is damaged ({problem}) and was not loaded; {hint}, "
-                    "or move the damaged directory away"
-                ),
-            }
+            return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
         train = _find(state, TrainState)
         saved_yaml = found.path / store.CONFIG_FILE
-        mismatches = model_shape_mismatches(
-            saved_yaml.read_text() if saved_yaml.is_file() else None,
-            train.config_yaml if train is not None else None,
-        )
+        try:
+            mismatches = model_shape_mismatches(
+                saved_yaml.read_text() if saved_yaml.is_file() else None,
+                train.config_yaml if train is not None else None,
+            )
+        except (yaml.YAMLError, AttributeError, TypeError, UnicodeDecodeError) as e:
+            problem = f"{store.CONFIG_FILE} is not a readable config ({_first_line(e)})"
+            return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
         if mismatches:
             return {
                 "path": None,
@@ -316,10 +394,62 @@ class CheckpointManager:
                     "checkpoint's model settings, or set checkpoint.resume=none to start fresh"
                 ),
             }
-        return {"path": str(found.path), "step": found.step, "error": None}
+        return {"path": str(found.path), "step": found.step, "error": None, "hint": hint}
+
+    def _metadata_problem(self, path: Path) -> str | None:
+        """`.metadata` unreadable, or written by another save than the manifest's."""
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata()
+        except _ERRORS as e:
+            return f".metadata is unreadable ({_first_line(e)})"
+        want = (store.read_manifest(path) or {}).get("save_id")
+        got = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+        if want and got != want:
+            return ".metadata belongs to another save than the manifest (swapped in?)"
+        return None
+
+    def _verify_hashes(self, path: Path, hint: str) -> None:
+        """Every rank hashes its share of the files (the manifest's order, round robin) and
+        all fail together when one does not match."""
+        manifest = store.read_manifest(path) or {"files": {}}
+        names = sorted(manifest["files"])
+        hashed = any(hashing.recorded(e) for e in manifest["files"].values())
+        if not self.cfg.checksum:
+            if hashed:
+                self._log(f"not verifying the hashes of {path} (checkpoint.checksum=false)")
+            return
+        t0 = time.perf_counter()
+        mine = names[self.rank :: self.world_size]
+        try:
+            if len(mine) > 1:
+                with ThreadPoolExecutor(min(4, len(mine))) as pool:
+                    found = list(pool.map(lambda n: store.verify_hashes(path, [n], manifest), mine))
+                problem = next((p for p in found if p), None)
+            else:
+                problem = store.verify_hashes(path, mine, manifest)
+            failure = (self._damaged(path, problem, hint)) if problem else None
+        except ConfigError as e:  # e.g. xxh3-64 recorded, xxhash missing: not damage
+            failure = f"checkpoint {path}: {e}"
+        if self._pg is not None:
+            everyone: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(everyone, failure, group=self._pg)
+            failure = next((p for p in everyone if p), None)
+        if failure:
+            raise ConfigError(failure)
+        if hashed:
+            size = sum(e["size"] for e in manifest["files"].values())
+            self._log(
+                f"verified the hashes of {len(names)} files ({size / 2**30:.2f} GiB) of {path} "
+                f"in {time.perf_counter() - t0:.2f}s"
+            )
 
     def _load(self, path: Path, state: Mapping[str, Any]) -> None:
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        try:
+            saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except _ERRORS as e:
+            raise ConfigError(
+                f"checkpoint {path} is damaged (.metadata is unreadable: {_first_line(e)})"
+            ) from None
         request: dict[str, Any] = {}
         for key, part in state.items():
             if hasattr(part, "load_request"):
@@ -340,111 +470,242 @@ class CheckpointManager:
                 f"checkpoint {path} does not fit this run: {problems[0]}{more}; "
                 "resume with the settings it was saved with"
             )
-        dcp.load(
-            request,
-            checkpoint_id=str(path),
-            planner=BlockLoadPlanner(),
-            process_group=self._pg,
-            no_dist=not self._dist,
-        )
+        try:
+            dcp.load(
+                request,
+                checkpoint_id=str(path),
+                planner=BlockLoadPlanner(),
+                process_group=self._pg,
+                no_dist=not self._dist,
+            )
+        except _ERRORS as e:
+            raise ConfigError(
+                f"checkpoint {path} could not be loaded ({_first_line(e)}); it may be damaged: "
+                "resume with checkpoint.checksum=true to check its files"
+            ) from e
         for key, part in state.items():
             part.load_state_dict(request[key])
+
+    # -- losses -------------------------------------------------------------------------------
+
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Remember (on the device, no sync) whether this step's loss was finite."""
+        self._guard.observe(step, loss)
+
+    def check_finite(self, step: int) -> None:
+        """Every rank at the same step (log steps): stop with a NonFiniteLossError when a loss
+        observed so far was not finite. In-flight saves (of earlier, finite steps) are
+        committed first; nothing later is saved."""
+        if self._guard.first_bad is None:
+            return
+        bad = self._guard.first(self._ctl)
+        if bad is None:
+            return
+        try:
+            self._wait_all()
+        finally:
+            self.close()
+        newest = store.newest_complete(self.root) if self.saving else None
+        raise NonFiniteLossError(
+            f"the loss is not finite (nan or inf) at step {bad}; training stopped at step {step} "
+            f"and nothing from step {bad} on was saved (newest checkpoint: "
+            f"{newest.path if newest else 'none'}); lower optim.lr, check the data or the "
+            "precision recipe, then resume"
+        )
 
     # -- save ---------------------------------------------------------------------------------
 
     def maybe_save(
         self, step: int, state: Mapping[str, Any], force: bool = False
     ) -> dict[str, float] | None:
-        """Save when `step` is a multiple of checkpoint.interval (or `force`). Returns the
-        timings of this save (what the loop waited), or None when not saving."""
-        self._poll()
+        """Save when `step` is a multiple of checkpoint.interval, or `force` (those wait for a
+        busy writer), or a deferred save is due. Returns the timings of this save (what the loop
+        waited), or None when not saving. Call on every rank at every step."""
         if not self.saving or step == self._last_saved_step:
+            self._poll()
             return None
-        if force or (self.cfg.interval > 0 and step % self.cfg.interval == 0):
+        due = force or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+        if not due and self._deferred is None:
+            self._poll()
+            if self._stager is not None:
+                self._stager.prepare(state)  # once: buffers ready before the first save
+            return None
+        if self.cfg.mode == "sync" or force or self.cfg.when_busy == "wait":
             return self.save(step, state)
+        if self._agree():
+            if self._deferred is not None:
+                self._note(
+                    f"step {step}: saving (deferred from step {self._deferred}: the writer was busy)",
+                    {"event": "deferred_taken", "step": step, "due_step": self._deferred},
+                )
+                self._deferred = None
+            return self.save(step, state)
+        busy = ", ".join(str(p.step) for p in self._pending)
+        if self.cfg.when_busy == "skip":
+            self._note(
+                f"step {step}: save skipped, the writer is busy with step(s) {busy} "
+                "(checkpoint.when_busy=skip)",
+                {"event": "skipped", "step": step},
+            )
+        elif due and self._deferred is None:
+            self._deferred = step
+            self._note(
+                f"step {step}: save deferred, the writer is busy with step(s) {busy}; it is "
+                "taken at the first step a staging buffer is free (checkpoint.when_busy=defer)",
+                {"event": "deferred", "step": step},
+            )
         return None
 
+    def _agree(self) -> bool:
+        """Whether every rank has a free staging buffer (a collective on `_ctl`). When a save
+        failed on any rank, every rank waits for its own saves and raises the failure here,
+        at the same step (a failed DCP save fails on every rank)."""
+        self._poll()
+        failed = any(p.future.done() and p.future.exception() for p in self._pending)
+        flags = torch.tensor([self._free_buffers(), -int(failed)])
+        if self._ctl is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._ctl)
+        if int(flags[1]) < 0:
+            self._wait_all()
+        return int(flags[0]) > 0
+
+    def _buffer_count(self) -> int:
+        n = len(self._stager.buffers) if self._stager is not None else 0
+        return n or self.cfg.staging_buffers
+
+    def _free_buffers(self) -> int:
+        busy = sum(1 for p in self._pending if not p.future.done())
+        return max(0, self._buffer_count() - busy)
+
     def save(self, step: int, state: Mapping[str, Any]) -> dict[str, float]:
+        """Save `step` now (on every rank), waiting for a staging buffer if all are busy."""
         t0 = time.perf_counter()
-        waited = self._wait_pending()
+        planned = None
+        if self._stager is not None:
+            # CPU work first, while the device finishes the step: what to copy, where.
+            planned = staging.plan(state)
+            self._agree()  # raises an earlier failure on every rank alike
+        drain = _drain_device()  # the steps already queued on the device
+        self.check_finite(step)
+        waited = self._wait_for_buffer()
         tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
         if self.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             train = _find(state, TrainState)
             if train is not None and train.config_yaml:
                 (tmp / store.CONFIG_FILE).write_text(train.config_yaml)
-        writer = FileSystemWriter(str(tmp))
+        self._saves += 1  # the same count on every rank: save ids need no collective
+        save_id = f"{self._token}-{self._saves}-step{step}"
         if self.cfg.mode == "sync":
-            dcp.save(
-                state,
-                storage_writer=writer,
-                planner=BlockSavePlanner(),
-                process_group=self._pg,
-                no_dist=not self._dist,
+            try:
+                out = write_checkpoint(
+                    state,
+                    tmp,
+                    save_id=save_id,
+                    algorithm=self._algorithm,
+                    thread_count=self.cfg.write_threads,
+                    sync_files=self.cfg.sync_files,
+                    process_group=self._pg,
+                    no_dist=not self._dist,
+                )
+            except _ERRORS as e:
+                raise self._failure(step, tmp, e, _state_bytes(state)) from None
+            size = self._commit(tmp, step, out["file_hashes"], save_id) if self.rank == 0 else 0
+            blocking = total = time.perf_counter() - t0
+            self._record(
+                step,
+                blocking_s=blocking,
+                total_s=total,
+                drain_s=drain,
+                write_s=out["write_s"],
+                bytes=out["bytes"],
+                checkpoint_bytes=size,
             )
-            blocking = time.perf_counter() - t0
-            if self.rank == 0:
-                self._commit(tmp, step)
-            self._record(step, blocking, time.perf_counter() - t0)
         else:
-            kind = (
-                AsyncCheckpointerType.PROCESS
-                if self.cfg.mode == "async_process"
-                else AsyncCheckpointerType.THREAD
-            )
-            upload = dcp.async_save(
-                state,
-                storage_writer=writer,
-                planner=BlockSavePlanner(),
-                process_group=self._pg,
-                async_checkpointer_type=kind,
-                async_stager=self._get_stager(),
-                no_dist=not self._dist,
-            )
+            index = self._free_index()
+            staged = self._stager.stage(planned, index)
             blocking = time.perf_counter() - t0
-            if self._committer is not None:
-                upload = self._committer.submit(self._commit_when_written, upload, tmp, step)
-            pending = _Pending(step, upload, t0, blocking)
-            upload.add_done_callback(lambda _: pending.end.append(time.perf_counter()))
-            self._pending = pending
+            future = self._executor.submit(self._write, staged, tmp, step, save_id)
+            pending = _Pending(
+                step,
+                future,
+                t0,
+                blocking,
+                waited,
+                {
+                    "drain_s": drain,
+                    "state_dict_s": staged.state_dict_s,
+                    "alloc_s": staged.alloc_s,
+                    "stage_s": staged.stage_s,
+                },
+                staged.nbytes,
+                staged.buffer,
+            )
+            future.add_done_callback(lambda _: pending.end.append(time.perf_counter()))
+            self._pending.append(pending)
         self._last_saved_step = step
         return {"save_blocking_s": blocking, "save_wait_prev_s": waited}
 
-    def _get_stager(self):
-        # Some torch releases (2.11) close the stager handed to dcp.async_save once it has
-        # staged; a closed stager cannot stage again, so a new one replaces it.
-        if self._stager is not None and stager_closed(self._stager):
-            self._stager = None
-        if self._stager is None:
-            try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            except ImportError:  # older torch: DCP's built-in staging
-                return None
-            cuda = torch.cuda.is_available()
-            # Staging completes before async_save returns (use_async_staging=False): the next
-            # optimizer step may then overwrite the parameters while the copy is written.
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=self.cfg.mode == "async_process",
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
+    def _free_index(self) -> int:
+        busy = {p.buffer for p in self._pending if not p.future.done()}
+        return next(i for i in range(self._buffer_count()) if i not in busy)
+
+    def _buffers_allocated(self, buffers: list[torch.Tensor]) -> None:
+        self._buffer_version += 1
+        if self._writer is not None:
+            self._writer.set_buffers(buffers, self._buffer_version)
+
+    def _write(self, staged, tmp: Path, step: int, save_id: str) -> dict[str, Any]:
+        """The writer thread: one save from a staging buffer, then (rank 0) its commit."""
+        t_start = time.perf_counter()
+        try:
+            if self._writer is not None:
+                out = self._writer.save(
+                    {
+                        "version": self._buffer_version,
+                        "buffer": staged.buffer,
+                        "skeleton": staged.skeleton,
+                        "slots": staged.slots,
+                        "copied": staged.copied,
+                        "path": str(tmp),
+                        "save_id": save_id,
+                        "algorithm": self._algorithm,
+                        "threads": self.cfg.write_threads,
+                        "sync_files": self.cfg.sync_files,
+                    }
                 )
-            )
-        return self._stager
+            else:
+                out = write_checkpoint(
+                    self._stager.state_dict(staged),
+                    tmp,
+                    save_id=save_id,
+                    algorithm=self._algorithm,
+                    thread_count=self.cfg.write_threads,
+                    sync_files=self.cfg.sync_files,
+                    process_group=self._pg,
+                    no_dist=not self._dist,
+                )
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing committed; give the space back
+            raise
+        out["write_start"] = t_start
+        if self.rank == 0:
+            out["checkpoint_bytes"] = self._commit(tmp, step, out["file_hashes"], save_id)
+        return out
 
-    def _commit_when_written(self, upload: Future, tmp: Path, step: int) -> None:
-        upload.result()
-        self._commit(tmp, step)
-
-    def _commit(self, tmp: Path, step: int) -> None:
-        """Rank 0, after every rank's data is written: manifest, rename, prune."""
+    def _commit(self, tmp: Path, step: int, hashes: dict, save_id: str) -> int:
+        """Rank 0, after every rank's data is written: manifest, rename, prune. Returns the
+        checkpoint's size in bytes."""
         manifest = store.write_manifest(
             tmp,
             step=step,
             world_size=self.world_size,
             checksum=self.cfg.checksum,
             extra={"mode": self.cfg.mode, "torch": torch.__version__},
+            hashes=hashes,
+            algorithm=self._algorithm or "crc32",
+            save_id=save_id,
         )
         final = self.root / store.step_name(step)
         store.commit(tmp, final)
@@ -454,35 +715,107 @@ class CheckpointManager:
             f"step {step} committed to {final} ({size / 2**20:.1f} MiB)"
             + (f"; pruned {', '.join(p.name for p in pruned)}" if pruned else "")
         )
+        return size
 
-    def _record(self, step: int, blocking: float, total: float) -> None:
-        self._completed.append(
-            {"save_step": step, "save_blocking_s": blocking, "save_total_s": total}
-        )
+    def _failure(self, step: int, tmp: Path, e: BaseException, rank_bytes: int) -> BaseException:
+        """The error a failed save raises: a one-line ConfigError for a full disk."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        os_err = os_error_in(e)
+        if os_err is not None and os_err.errno == 28:  # ENOSPC
+            try:
+                free = shutil.disk_usage(self.root).free
+            except OSError:
+                free = math.nan
+            need = rank_bytes * self.world_size
+            return ConfigError(
+                f"checkpoint save of step {step} failed: no space left on device under "
+                f"{self.root} ({free / 2**30:.1f} GiB free; this checkpoint needs about "
+                f"{need / 2**30:.2f} GiB, {rank_bytes / 2**30:.2f} GiB of it from rank "
+                f"{self.rank}); nothing was committed and the earlier checkpoints are intact; "
+                "free space or set checkpoint.dir to a larger filesystem"
+            )
+        return RuntimeError(f"checkpoint save of step {step} failed: {_first_line(e)}")
+
+    def _record(self, step: int, **numbers: float) -> None:
+        record = {"save_step": step, "save_mode": self.cfg.mode}
+        record.update({f"save_{k}": v for k, v in numbers.items()})
+        self._completed.append(record)
+        nbytes = numbers.get("bytes", 0)
+        rate = lambda n, s: f"{n / s / 1e9:.2f} GB/s" if s and n else "-"  # noqa: E731
         self._log(
-            f"step {step} saved ({self.cfg.mode}): blocking {blocking:.3f}s, total {total:.3f}s"
+            f"step {step} saved ({self.cfg.mode}): blocking {numbers['blocking_s']:.3f}s"
+            + (
+                f" (staging {numbers['stage_s']:.3f}s, {rate(nbytes, numbers['stage_s'])})"
+                if "stage_s" in numbers
+                else ""
+            )
+            + f", write {numbers['write_s']:.3f}s ({rate(nbytes, numbers['write_s'])} "
+            f"from this rank), total {numbers['total_s']:.3f}s"
         )
+        self._append_log({"event": "saved", **record})
+
+    def _note(self, message: str, record: dict) -> None:
+        self._log(message)
+        self._append_log({**record, "save_mode": self.cfg.mode})
+
+    def _append_log(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        try:
+            with (self.run_dir / SAVES_LOG).open("a") as f:
+                f.write(json.dumps({"time": time.time(), **record}) + "\n")
+        except OSError:
+            pass  # a log of timings must not stop a run
 
     def _settle(self, pending: _Pending) -> None:
         try:
-            pending.future.result()
-        except Exception as e:
-            raise RuntimeError(f"checkpoint save of step {pending.step} failed: {e}") from e
-        # The done-callback may not have run yet when result() returns: then now is close.
+            out = pending.future.result()
+        except _ERRORS as e:
+            # The run stops: let the saves queued behind this one end first (on every rank, so
+            # no rank's writer is left inside a collective); their outcome is not raised.
+            while self._pending:
+                self._pending.popleft().future.exception()
+            raise self._failure(
+                pending.step,
+                self.root / (store.step_name(pending.step) + store.TMP_SUFFIX),
+                e,
+                pending.bytes,
+            ) from None
         end = pending.end[0] if pending.end else time.perf_counter()
-        self._record(pending.step, pending.blocking_s, end - pending.start)
+        self._record(
+            pending.step,
+            blocking_s=pending.blocking_s,
+            total_s=end - pending.start,
+            wait_prev_s=pending.wait_s,
+            **pending.staging,
+            queue_s=max(0.0, out["write_start"] - (pending.start + pending.blocking_s)),
+            **({"start_wait_s": out["start_wait_s"]} if "start_wait_s" in out else {}),
+            write_s=out["write_s"],
+            bytes=pending.bytes,
+            checkpoint_bytes=out.get("checkpoint_bytes", 0),
+        )
 
     def _poll(self) -> None:
-        if self._pending is not None and self._pending.future.done():
-            pending, self._pending = self._pending, None
-            self._settle(pending)
+        """Settle the saves that finished, in order, up to the first failed one: failures are
+        raised where every rank raises them at the same step (`_agree`, blocking waits)."""
+        while self._pending and self._pending[0].future.done():
+            if self._pending[0].future.exception() is not None:
+                return
+            self._settle(self._pending.popleft())
 
-    def _wait_pending(self) -> float:
-        if self._pending is None:
-            return 0.0
+    def _wait_for_buffer(self) -> float:
+        """Block until this rank has a free staging buffer (settling saves in order)."""
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, None
-        self._settle(pending)
+        while self._pending and self._free_buffers() == 0:
+            self._settle(self._pending.popleft())
+        self._poll()
+        return time.perf_counter() - t0
+
+    def _wait_all(self) -> float:
+        t0 = time.perf_counter()
+        while self._pending:
+            self._settle(self._pending.popleft())
         return time.perf_counter() - t0
 
     # -- end ----------------------------------------------------------------------------------
@@ -494,32 +827,45 @@ class CheckpointManager:
             return
         if save and self.saving and self.cfg.save_at_end and step != self._last_saved_step:
             self.save(step, state)
-        self._wait_pending()
+        self._wait_all()
         if self._dist:
             dist.barrier(group=self._pg)
         self.close()
 
     def close(self) -> None:
+        """Wait for saves in flight, stop the writers, free the buffers, release the lock."""
         if self._closed:
             return
         self._closed = True
-        if self._pending is not None:
-            self._wait_pending()
-        if self._committer is not None:
-            self._committer.shutdown(wait=True)
-        if self._stager is not None:
-            self._stager.close()
+        try:
+            if self._pending:
+                self._wait_all()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
+            if self._stager is not None:
+                self._stager.close()
+            if self._lock is not None:
+                self._lock.release()
 
     def stats(self) -> dict[str, float]:
-        """The newest save committed since the last call, for the metrics log: save_step,
-        save_blocking_s (what the loop waited) and save_total_s (start to commit). Empty when
-        none completed."""
+        """The newest save completed since the last call, for the metrics log: save_step,
+        save_blocking_s (what the loop waited), save_total_s (start to commit), and where
+        measured save_stage_s (the copy into the staging buffer; save_state_dict_s and
+        save_alloc_s: the Statefuls' state_dict() calls and buffer allocation before it),
+        save_drain_s (waiting for the device to finish the step already queued: part of the
+        blocking time, though the device was busy anyway),
+        save_wait_prev_s (waiting for a free buffer), save_queue_s (staged to write start), save_write_s (the DCP save), save_bytes (this rank's bytes),
+        save_checkpoint_bytes (rank 0: the whole checkpoint). Empty when none completed."""
         self._poll()
         done, self._completed = self._completed, []
         if not done:
             return {}
-        last = done[-1]
-        return dict(last)  # save_step lets the logger release records the checkpoint covers
+        last = dict(done[-1])
+        last.pop("save_mode", None)
+        return last  # save_step lets the logger release records the checkpoint covers
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -529,3 +875,31 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
+
+
+def _drain_device() -> float:
+    """Wait for the work queued on this rank's GPU (the step just launched); its seconds.
+    Part of what the loop waits for at a save, but time the device was busy anyway."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0.0
+    t0 = time.perf_counter()
+    torch.cuda.current_stream().synchronize()
+    return time.perf_counter() - t0
+
+
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    """This rank's bytes of model parameters and optimizer states (for the full-disk
+    message; no state_dict() calls, which may run collectives)."""
+    from checkpoint.state import OptimizerState
+    from model.memory import tensor_bytes
+
+    model, optim = _find(state, ModelState), _find(state, OptimizerState)
+    tensors = list(model.model.parameters()) if model is not None else []
+    if optim is not None:
+        tensors += [
+            v
+            for st in optim.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ]
+    return sum(tensor_bytes(getattr(t, "_local_tensor", t)) for t in tensors)

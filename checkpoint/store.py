@@ -4,13 +4,18 @@
     <root>/step_0000020/         complete: renamed from .tmp by rank 0 after every rank wrote
         .metadata  __<rank>_<i>.distcp   (torch DCP)
         config.yaml                      the resolved config of the run that saved it
-        manifest.json                    step, world size, every file with its size (+ CRC32)
+        manifest.json                    step, save id, world size, every file with its size
+                                         and hash (xxh3-64 or CRC32, computed while writing)
 
 A checkpoint becomes visible to resume by one atomic `rename` of its directory, done once,
 after `manifest.json` (written last, fsync'ed) lists every file. So a directory named
-`step_XXXXXXX` without `.tmp` is complete by construction; the manifest lets resume detect
-later damage (a truncated or missing file) before anything is loaded. Anything else under
-<root> (`*.tmp` left by a killed run) is ignored by resume and removed by `clean_partial`.
+`step_XXXXXXX` without `.tmp` is complete by construction, and one without a manifest is
+damaged (emptied or partly deleted), never an older format: resume reports it. The manifest
+lets resume detect later damage (a missing, truncated, corrupted or swapped file) before
+anything is loaded. Each data file ends with a 64-byte trailer naming its save id and file
+name (DCP reads items by offset and never sees it), so a file swapped in from another save is
+caught even without hashes. Anything else under <root> (`*.tmp` left by a killed run) is
+ignored by resume and removed by `clean_partial`.
 
 Every function here is called on rank 0 only (the manager broadcasts what it decides).
 """
@@ -22,9 +27,11 @@ import os
 import re
 import shutil
 import time
-import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from checkpoint import hashing
 
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
@@ -34,7 +41,10 @@ TMP_SUFFIX = ".tmp"
 ABANDONED_SUFFIX = ".abandoned"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 1 << 24
+DATA_SUFFIX = ".distcp"
+#: Data file trailer: magic, save id (36 bytes, padded), file name (20 bytes, padded).
+TRAILER_MAGIC = b"TLCKPT01"
+TRAILER_SIZE = 64
 
 
 def step_name(step: int) -> str:
@@ -69,6 +79,20 @@ def newest_complete(root: Path) -> Checkpoint | None:
     return done[-1] if done else None
 
 
+def list_steps(root: Path) -> list[Checkpoint]:
+    """Every step directory under root (committed or damaged: with or without a manifest),
+    oldest first. `.tmp`, `.abandoned-*` and other names are not step directories."""
+    if not root.is_dir():
+        return []
+    found = [Checkpoint(p, s) for p in root.iterdir() if (s := _dir_step(p)) is not None]
+    return sorted((c for c in found if c.path.is_dir()), key=lambda c: c.step)
+
+
+def newest_step(root: Path) -> Checkpoint | None:
+    steps = list_steps(root)
+    return steps[-1] if steps else None
+
+
 def clean_partial(root: Path, keep: Path | None = None) -> list[Path]:
     """Remove `*.tmp` directories (saves that never committed). Call only when no save of
     this run is in flight; `keep` protects one path anyway."""
@@ -82,12 +106,26 @@ def clean_partial(root: Path, keep: Path | None = None) -> list[Path]:
     return removed
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+def trailer(save_id: str, name: str) -> bytes:
+    """The 64 bytes a data file of save `save_id` ends with."""
+    sid = save_id.encode()[:36].ljust(36, b"\0")
+    fname = name.encode()[-20:].ljust(20, b"\0")
+    return TRAILER_MAGIC + sid + fname
+
+
+def _trailer_problem(path: Path, rel: str, save_id: str) -> str | None:
+    try:
+        with path.open("rb") as f:
+            f.seek(-TRAILER_SIZE, os.SEEK_END)
+            tail = f.read(TRAILER_SIZE)
+    except OSError as e:
+        return f"file {rel} cannot be read ({e.strerror or e})"
+    if tail != trailer(save_id, path.name):
+        return (
+            f"file {rel} does not belong to this save (its trailer names another save or file: "
+            "swapped in from another checkpoint?)"
+        )
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -99,22 +137,36 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_manifest(
-    tmp: Path, *, step: int, world_size: int, checksum: bool, extra: dict | None = None
+    tmp: Path,
+    *,
+    step: int,
+    world_size: int,
+    checksum: bool,
+    extra: dict | None = None,
+    hashes: Mapping[str, tuple[str, int | str]] | None = None,
+    algorithm: str = "crc32",
+    save_id: str | None = None,
 ) -> dict:
-    """List every file of the finished save (sizes, optional CRC32) into tmp/manifest.json."""
+    """List every file of the finished save into tmp/manifest.json: its size and, with
+    `checksum`, its hash: the one in `hashes` (relative path -> (algorithm, value), computed
+    by the writers while writing) or else read back and hashed with `algorithm` (small files:
+    .metadata, config.yaml). `save_id`: the DCP save id every data file's trailer names."""
     files = {}
+    hashes = hashes or {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             rel = p.relative_to(tmp).as_posix()
             files[rel] = {"size": p.stat().st_size}
             if checksum:
-                files[rel]["crc32"] = _crc32(p)
+                algo, value = hashes.get(rel) or (algorithm, hashing.hash_file(p, algorithm))
+                files[rel][algo] = value
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
         "world_size": world_size,
         "time": time.time(),
         "files": files,
+        **({"save_id": save_id} if save_id else {}),
         **(extra or {}),
     }
     path = tmp / MANIFEST
@@ -128,6 +180,7 @@ def write_manifest(
 def commit(tmp: Path, final: Path) -> None:
     """Make `tmp` visible as `final` with one rename. An existing `final` can only come from an
     abandoned timeline (we resumed from an older step); it is replaced."""
+    _fsync_dir(tmp)  # the file entries first, then the rename that publishes them
     if final.exists():
         old = final.with_name(final.name + ".replaced" + TMP_SUFFIX)
         shutil.rmtree(old, ignore_errors=True)
@@ -146,22 +199,65 @@ def read_manifest(path: Path) -> dict | None:
         return None
 
 
-def verify(path: Path, checksum: bool = True) -> str | None:
-    """None when every file of the manifest is present with its size (and CRC32 when recorded
-    and `checksum`); else what is wrong, in a few words."""
+def manifest_problem(path: Path) -> str | None:
+    """Why `path` has no usable manifest (None: it has one)."""
+    if not (path / MANIFEST).exists():
+        if path.is_dir() and not any(path.iterdir()):
+            return f"the directory is empty ({MANIFEST} and every data file are gone)"
+        return f"{MANIFEST} is missing (a committed checkpoint always has one)"
     manifest = read_manifest(path)
-    if manifest is None:
-        return f"{MANIFEST} is missing or unreadable"
-    for rel, want in manifest.get("files", {}).items():
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return f"{MANIFEST} is unreadable or not a checkpoint manifest"
+    return None
+
+
+def verify_layout(path: Path) -> str | None:
+    """The cheap checks (no data read): a readable manifest, every file present with its
+    size, and each data file's trailer naming this save. None when all pass."""
+    problem = manifest_problem(path)
+    if problem:
+        return problem
+    manifest = read_manifest(path)
+    save_id = manifest.get("save_id")
+    for rel, want in manifest["files"].items():
         p = path / rel
         if not p.is_file():
             return f"file {rel} is missing"
         size = p.stat().st_size
         if size != want["size"]:
             return f"file {rel} has {size} bytes, the manifest says {want['size']} (truncated)"
-        if checksum and "crc32" in want and _crc32(p) != want["crc32"]:
-            return f"file {rel} fails its CRC32 check (corrupted)"
+        if save_id and rel.endswith(DATA_SUFFIX):
+            problem = _trailer_problem(p, rel, save_id)
+            if problem:
+                return problem
     return None
+
+
+def verify_hashes(path: Path, names: list[str], manifest: dict) -> str | None:
+    """Hash `names` (files of `path` listed in `manifest`) and compare with the recorded
+    values; None when all match (files without a recorded hash pass)."""
+    for rel in names:
+        rec = hashing.recorded(manifest["files"][rel])
+        if rec is None:
+            continue
+        algorithm, value = rec
+        try:
+            got = hashing.hash_file(path / rel, algorithm)
+        except OSError as e:
+            return f"file {rel} cannot be read ({e.strerror or e})"
+        if got != value:
+            return f"file {rel} fails its {hashing.LABELS[algorithm]} check (corrupted)"
+    return None
+
+
+def verify(path: Path, checksum: bool = True) -> str | None:
+    """None when every file of the manifest is present with its size and trailer (and its
+    hash when recorded and `checksum`); else what is wrong, in a few words."""
+    problem = verify_layout(path)
+    if problem or not checksum:
+        return problem
+    manifest = read_manifest(path)
+    return verify_hashes(path, list(manifest["files"]), manifest)
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
@@ -178,9 +274,10 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 
 def abandon_newer(root: Path, step: int) -> list[Path]:
-    """Rename complete checkpoints newer than `step` out of resume's sight (kept on disk)."""
+    """Rename step directories newer than `step` (complete or damaged) out of resume's sight
+    (kept on disk)."""
     moved = []
-    for c in list_complete(root):
+    for c in list_steps(root):
         if c.step > step:
             dest = c.path.with_name(f"{c.path.name}{ABANDONED_SUFFIX}-{int(time.time())}")
             os.rename(c.path, dest)
@@ -190,15 +287,19 @@ def abandon_newer(root: Path, step: int) -> list[Path]:
 
 def find_checkpoint(spec: Path) -> Checkpoint | None:
     """An explicit resume path: a step directory, or a directory holding step directories
-    (its newest complete one), or a run directory (its checkpoints/ folder)."""
+    (its newest one, damaged or not), or a run directory (its checkpoints/ folder)."""
     if not spec.is_dir():
         return None
     if (spec / MANIFEST).is_file():
-        manifest = read_manifest(spec) or {}
-        step = manifest.get("step", _dir_step(spec))
+        manifest = read_manifest(spec)
+        step = manifest.get("step") if isinstance(manifest, dict) else None
+        step = step if isinstance(step, int) else _dir_step(spec)
         return Checkpoint(spec, int(step)) if step is not None else None
+    step = _dir_step(spec)
+    if step is not None:  # a step directory without manifest: damaged, verify says so
+        return Checkpoint(spec, step)
     for root in (spec, spec / "checkpoints"):
-        c = newest_complete(root)
+        c = newest_step(root)
         if c is not None:
             return c
     return None

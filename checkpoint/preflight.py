@@ -1,0 +1,107 @@
+"""Run directory checks before any expensive work (train.py step 1, before the model).
+
+    run_dir, lock = prepare_run_dir(cfg, rank, world_size)
+
+Every rank: the checkpoint fields are valid; the run directory (and the checkpoint directory)
+can be created and written (a probe file); with checkpoints on, the checkpoint filesystem has
+room for one more checkpoint, estimated from the model config (parameters x 12 bytes: fp32
+weights and two fp32 Adam moments; 13 with quantized weights, whose fp32 masters live in the
+optimizer), and for async modes this node's host memory (and for async_process /dev/shm) can
+hold one staging copy. Rank 0
+then takes the run directory's lock (checkpoint/runlock.py). Each failure is one ConfigError.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+from checkpoint import staging
+from checkpoint.config import validate
+from checkpoint.runlock import RunLock
+from errors import ConfigError
+
+GiB = 2**30
+
+
+def estimate_parameters(m: Any) -> int:
+    """Parameters of a Llama ModelConfig (model/config.py), without building it."""
+    hd = m.dim // m.n_heads
+    vocab = -(-m.vocab_size // m.pad_vocab_multiple) * m.pad_vocab_multiple
+    per_layer = (
+        m.dim * (m.n_heads + 2 * m.n_kv_heads) * hd  # fused QKV
+        + m.n_heads * hd * m.dim  # attention output
+        + 3 * m.dim * m.ffn_dim  # fc1 [gate; up] and fc2
+        + 2 * m.dim  # the two norms
+    )
+    head = 0 if m.tie_embeddings else vocab * m.dim
+    return m.n_layers * per_layer + vocab * m.dim + head + m.dim
+
+
+def estimate_checkpoint_bytes(m: Any, quantized_weights: bool = False) -> int:
+    """Bytes of one checkpoint of the whole run (all ranks), roughly."""
+    return estimate_parameters(m) * (13 if quantized_weights else 12)
+
+
+def _writable(path: Path, field: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"{field}: cannot write to {path} ({e.strerror or e}); choose a writable directory"
+        ) from None
+
+
+def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
+    root = Path(cfg.checkpoint.dir).expanduser()
+    return root if root.is_absolute() else run_dir / root
+
+
+def prepare_run_dir(
+    cfg: Any, rank: int, world_size: int, *, log=print
+) -> tuple[Path, RunLock | None]:
+    """Check and create the run directory; rank 0 locks it. Returns (run_dir, lock or None)."""
+    ck = cfg.checkpoint
+    validate(ck)
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    _writable(run_dir, f"run.root={cfg.run.root}")
+    if ck.mode != "none":
+        root = checkpoint_root(cfg, run_dir)
+        _writable(root, f"checkpoint.dir={ck.dir}")
+        quantized = bool(getattr(getattr(cfg, "recipe", None), "quantized_init", False))
+        need = estimate_checkpoint_bytes(cfg.model, quantized)
+        free = shutil.disk_usage(root).free
+        if free < need:
+            raise ConfigError(
+                f"checkpoint.dir={ck.dir}: {root} has {free / GiB:.1f} GiB free, one checkpoint "
+                f"of model {cfg.model.name} needs about {need / GiB:.1f} GiB "
+                f"({estimate_parameters(cfg.model) / 1e6:.0f}M parameters x "
+                f"{13 if quantized else 12} bytes); free space or point checkpoint.dir to a "
+                "larger filesystem"
+            )
+        if ck.mode in ("async", "async_process"):
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            per_node = need // max(world_size, 1) * min(local, world_size)
+            available = staging.host_memory_available()
+            if available is not None and per_node > available:
+                raise ConfigError(
+                    f"checkpoint.mode={ck.mode}: staging this node's share of a checkpoint "
+                    f"needs about {per_node / GiB:.1f} GiB of host memory, "
+                    f"{available / GiB:.1f} GiB are available; use checkpoint=sync or more nodes"
+                )
+            shm = staging.shared_memory_free() if ck.mode == "async_process" else None
+            if shm is not None and per_node > shm:
+                raise ConfigError(
+                    f"checkpoint.mode=async_process: staging this node's share of a checkpoint "
+                    f"needs about {per_node / GiB:.1f} GiB of shared memory, /dev/shm has "
+                    f"{shm / GiB:.1f} GiB free; enlarge /dev/shm (docker --shm-size) or use "
+                    "checkpoint=async"
+                )
+    lock = RunLock.acquire(run_dir, log=log) if rank == 0 else None
+    return run_dir, lock

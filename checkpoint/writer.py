@@ -1,0 +1,272 @@
+"""DCP storage writer: a rank's files written in parallel, each hashed while it is written.
+
+`CheckpointWriter` is torch's FileSystemWriter with its file-writing step replaced; the format
+stays DCP's (items serialized with torch.save at the offsets `.metadata` records), so stock
+DCP readers and tools load the result. What changes:
+
+- the rank's items are split into `thread_count` files by size (DCP's own split), each written
+  by a thread of its own; empty files are not created;
+- every byte goes through a hasher (xxh3-64 or CRC32, checkpoint/hashing.py) on its way to
+  the file: no file is read back to compute its checksum;
+- short writes are retried, and the first OSError (e.g. ENOSPC) is kept and raised as is once
+  torch.save returns (later writes of that file are dropped so torch's zip writer can finish
+  its bookkeeping instead of reporting "unexpected pos");
+- each file ends with a 64-byte trailer naming the save id and the file (checkpoint/store.py);
+- the save id is fixed by the caller, the same on every rank, and lands in DCP's metadata;
+- rank 0's `finish` keeps every rank's file hashes (`file_hashes`) for the manifest.
+
+`write_checkpoint` runs one `dcp.save` with it; the manager calls it inline (sync), on a
+thread (async) or in its writer process (async_process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from checkpoint import hashing, store
+from checkpoint.planners import BlockSavePlanner
+
+#: Bytes hashed and written per system call.
+_CHUNK = 1 << 24
+#: The write system call (tests replace it to simulate a full disk).
+_os_write = os.write
+
+
+@dataclasses.dataclass
+class _HashedStorageInfo(_StorageInfo):
+    """DCP's per-item storage info plus the hash of the whole file, carried to rank 0 with the
+    write results; `finish` turns it back into a plain _StorageInfo before `.metadata`."""
+
+    file_hash: tuple[str, Any] | None = None
+
+
+class _HashingFile:
+    """Write-only file for torch.save: bytes go to `fd` (short writes retried) and through the
+    hasher. The first OSError is kept and later writes are dropped; `check()` raises it."""
+
+    def __init__(self, fd: int, hasher):
+        self.fd = fd
+        self.hasher = hasher
+        self.pos = 0
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if self.error is None:
+            try:
+                for i in range(0, n, _CHUNK):
+                    piece = view[i : i + _CHUNK]
+                    if self.hasher is not None:
+                        self.hasher.update(piece)
+                    while len(piece):
+                        written = _os_write(self.fd, piece)
+                        if written <= 0:
+                            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                        piece = piece[written:]
+            except OSError as e:
+                self.error = e
+        self.pos += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def tell(self) -> int:
+        return self.pos
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """A tensor torch.save writes without extra bytes: torch.save writes a tensor's whole
+    storage, so a view into a larger buffer gets a storage of its own bytes (no copy when it
+    is contiguous). Tensor subclasses (TE quantized tensors) are left to torch.save."""
+    if type(t) is not torch.Tensor:
+        return t
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    if not t.is_contiguous() or t.numel() == 0:
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
+
+
+class CheckpointWriter(FileSystemWriter):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        save_id: str,
+        algorithm: str | None,
+        thread_count: int = 4,
+        sync_files: bool = True,
+    ):
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files)
+        self.thread_count = thread_count
+        self.fixed_save_id = save_id
+        self.save_id = save_id
+        self.algorithm = algorithm
+        self.file_hashes: dict[str, tuple[str, Any]] = {}
+        self.bytes_written = 0
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self.save_id = self.fixed_save_id
+
+    # FileSystemWriter.write_data splits the plan into thread_count buckets and hands them
+    # here as (path, file name, items).
+    def _write_data(self, planner, file_queue: queue.Queue) -> Future:
+        jobs = []
+        while True:
+            try:
+                path, name, items = file_queue.get_nowait()
+            except queue.Empty:
+                break
+            if items:
+                jobs.append((Path(path), name, items))
+        if len(jobs) > 1:
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="ckpt-file") as pool:
+                outs = list(pool.map(lambda job: self._write_file(planner, *job), jobs))
+        else:
+            outs = [self._write_file(planner, *job) for job in jobs]
+        results = [r for out in outs for r in out]
+        self.bytes_written = sum(p.stat().st_size for p, _, _ in jobs)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(self, planner, path: Path, name: str, items) -> list[WriteResult]:
+        hasher = hashing.new_hasher(self.algorithm) if self.algorithm else None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        results = []
+        try:
+            f = _HashingFile(fd, hasher)
+            # Pickled objects first, then tensors (DCP's order).
+            for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+                data = planner.resolve_data(item)
+                offset = f.pos
+                if item.type == WriteItemType.BYTE_IO:
+                    f.write(data.getbuffer())
+                else:
+                    t = data.detach()
+                    if t.device.type != "cpu":
+                        t = t.to("cpu")
+                    torch.save(_exact(t), f)
+                f.check()
+                length = f.pos - offset
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
+                    )
+                )
+            f.write(store.trailer(self.save_id, name))
+            f.check()
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        digest = (self.algorithm, hasher.result()) if hasher is not None else None
+        first = results[0]
+        info = first.storage_data
+        results[0] = WriteResult(
+            index=first.index,
+            size_in_bytes=first.size_in_bytes,
+            storage_data=_HashedStorageInfo(
+                info.relative_path, info.offset, info.length, None, digest
+            ),
+        )
+        return results
+
+    def finish(self, metadata, results) -> None:
+        hashes: dict[str, tuple[str, Any]] = {}
+        plain = []
+        for per_rank in results:
+            out = []
+            for r in per_rank:
+                info = r.storage_data
+                if isinstance(info, _HashedStorageInfo):
+                    if info.file_hash is not None:
+                        hashes[info.relative_path] = tuple(info.file_hash)
+                    info = _StorageInfo(
+                        info.relative_path, info.offset, info.length, info.transform_descriptors
+                    )
+                out.append(
+                    WriteResult(index=r.index, size_in_bytes=r.size_in_bytes, storage_data=info)
+                )
+            plain.append(out)
+        super().finish(metadata, plain)
+        self.file_hashes = hashes
+
+
+def write_checkpoint(
+    state_dict: dict,
+    path: Path,
+    *,
+    save_id: str,
+    algorithm: str | None,
+    thread_count: int,
+    sync_files: bool,
+    process_group=None,
+    no_dist: bool = False,
+) -> dict[str, Any]:
+    """One DCP save of `state_dict` (live, or staged by checkpoint/staging.py) into `path`.
+    Returns write_s, bytes (this rank's files) and, on the coordinator, file_hashes."""
+    writer = CheckpointWriter(
+        path,
+        save_id=save_id,
+        algorithm=algorithm,
+        thread_count=thread_count,
+        sync_files=sync_files,
+    )
+    t0 = time.perf_counter()
+    dcp.save(
+        state_dict,
+        storage_writer=writer,
+        planner=BlockSavePlanner(),
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+    return {
+        "write_s": time.perf_counter() - t0,
+        "bytes": writer.bytes_written,
+        "file_hashes": writer.file_hashes,
+    }
+
+
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """The first OSError with an errno among an exception, its causes and, for DCP's
+    CheckpointException, the failures of every rank."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+        stack += [e.__cause__, e.__context__]
+    return None

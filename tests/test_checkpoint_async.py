@@ -1,0 +1,291 @@
+"""Async checkpointing (issue #14) on CPU: staging buffers allocated once (before the first
+save) and reused, the busy-writer policies, async_process in a single process with its writer
+started up front, files hashed while written, and the benchmark command. Pinned memory needs
+CUDA: here the same code runs on plain CPU buffers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint.manager as manager_module
+from checkpoint import hashing, store
+from tests.ckpt_harness import Run, committed
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Losses of 10 uninterrupted steps, no checkpoints."""
+    _, losses = Run(tmp_path_factory.mktemp("straight"), mode="none", resume="none").train(10)
+    return losses
+
+
+def _saves_log(run_dir: Path) -> list[dict]:
+    path = run_dir / manager_module.SAVES_LOG
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+# -- staging ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_staging_buffers_allocated_before_the_first_save_and_reused(tmp_path, straight, buffers):
+    run = Run(tmp_path, mode="async", interval=3, staging_buffers=buffers)
+    ptrs = {}
+
+    def on_step(step):
+        stager = run.ckpt._stager
+        if step == 1:  # planned and allocated in the background at the first step
+            stager._alloc.result(timeout=60) if stager._alloc is not None else None
+            assert len(stager.buffers) == buffers
+            ptrs[1] = [b.data_ptr() for b in stager.buffers]
+        if step == 6:
+            ptrs[6] = [b.data_ptr() for b in stager.buffers]
+
+    start, first = run.train(6, on_step=on_step)
+    assert start == 0 and first == straight[:6]
+    assert ptrs[1] == ptrs[6]  # the same buffers for every save
+    allocations = [m for m in run.messages if m.startswith("staging: ")]
+    assert len(allocations) == 1 and f"{buffers} buffer(s)" in allocations[0]
+    assert committed(tmp_path / "checkpoints") == [3, 6]
+    start, rest = Run(tmp_path, mode="async", interval=3, staging_buffers=buffers).train(10)
+    assert start == 6 and rest == straight[6:]  # bitwise
+    records = [r for r in _saves_log(tmp_path) if r["event"] == "saved"]
+    for r in records:
+        assert r["save_stage_s"] > 0 and r["save_bytes"] > 0 and r["save_write_s"] > 0
+        assert r["save_total_s"] >= r["save_blocking_s"] >= r["save_stage_s"]
+
+
+def test_stats_report_staging_write_and_bytes(tmp_path):
+    run = Run(tmp_path, mode="async", interval=2)
+    run.train(2, finish=False)
+    run.ckpt.finish(2, run.state)
+    stats = run.ckpt.stats()
+    assert stats["save_step"] == 2
+    for key in ("save_stage_s", "save_write_s", "save_queue_s", "save_total_s"):
+        assert stats[key] >= 0, key
+    manifest = store.read_manifest(tmp_path / "checkpoints" / "step_0000002")
+    assert stats["save_checkpoint_bytes"] == sum(f["size"] for f in manifest["files"].values())
+    assert 0 < stats["save_bytes"] <= stats["save_checkpoint_bytes"]
+
+
+# -- a busy writer ------------------------------------------------------------------------------
+
+
+class _SlowWriter:
+    """Holds the write of one step until released."""
+
+    def __init__(self, monkeypatch, step: int):
+        self.release = threading.Event()
+        original = manager_module.write_checkpoint
+
+        def write(sd, path, **kw):
+            if store.step_name(step) in str(path):
+                assert self.release.wait(120), "never released"
+            return original(sd, path, **kw)
+
+        monkeypatch.setattr(manager_module, "write_checkpoint", write)
+
+
+def _release_after(run: Run, slow: _SlowWriter, at: int):
+    """Release the held write after step `at`; from then on every write finishes before the
+    next step (so what follows does not depend on timing)."""
+
+    def on_step(step):
+        if step >= at:
+            slow.release.set()
+            for p in list(run.ckpt._pending):
+                p.future.exception(timeout=120)
+
+    return on_step
+
+
+@pytest.mark.parametrize(
+    "policy, buffers, saved, events",
+    [
+        # 1 buffer: steps 4 and 6 come due while step 2 is written.
+        ("defer", 1, [2, 7, 8], [("deferred", 4), ("deferred_taken", 7)]),
+        ("skip", 1, [2, 8], [("skipped", 4), ("skipped", 6)]),
+        # 2 buffers: step 4 is staged and queued behind step 2; step 6 finds both busy.
+        ("defer", 2, [2, 4, 7, 8], [("deferred", 6), ("deferred_taken", 7)]),
+    ],
+)
+def test_busy_writer_policies(tmp_path, monkeypatch, straight, policy, buffers, saved, events):
+    slow = _SlowWriter(monkeypatch, 2)
+    run = Run(tmp_path, mode="async", interval=2, when_busy=policy, staging_buffers=buffers)
+    start, losses = run.train(8, on_step=_release_after(run, slow, 6))
+    assert losses == straight[:8]  # training never waited for the held write
+    assert committed(tmp_path / "checkpoints") == saved
+    noted = [(r["event"], r["step"]) for r in _saves_log(tmp_path) if r["event"] != "saved"]
+    assert noted == events
+    if policy == "defer":
+        # The deferred save holds the state of the step it was taken at.
+        resumed = Run(tmp_path, mode="none", resume=str(tmp_path / "checkpoints/step_0000007"))
+        start, rest = resumed.train(10)
+        assert start == 7 and rest == straight[7:10]
+
+
+def test_wait_policy_blocks_until_the_writer_is_free(tmp_path, monkeypatch, straight):
+    slow = _SlowWriter(monkeypatch, 2)
+    run = Run(tmp_path, mode="async", interval=2, when_busy="wait", staging_buffers=1)
+
+    def on_step(step):
+        if step == 3:
+            threading.Timer(0.5, slow.release.set).start()
+
+    _, losses = run.train(8, on_step=on_step)
+    assert losses == straight[:8]
+    assert committed(tmp_path / "checkpoints") == [2, 4, 6, 8]
+    saved = {r["save_step"]: r for r in _saves_log(tmp_path) if r["event"] == "saved"}
+    assert saved[4]["save_wait_prev_s"] > 0.2 and saved[4]["save_blocking_s"] > 0.2
+
+
+def test_final_save_waits_for_a_busy_writer(tmp_path, monkeypatch):
+    slow = _SlowWriter(monkeypatch, 2)
+    run = Run(tmp_path, mode="async", interval=2, staging_buffers=1)
+
+    def on_step(step):
+        if step == 3:
+            threading.Timer(0.3, slow.release.set).start()
+
+    run.train(3, on_step=on_step)  # finish(3) must save step 3 after step 2's write
+    assert committed(tmp_path / "checkpoints") == [2, 3]
+
+
+# -- async_process in one process -------------------------------------------------------------
+
+
+def test_async_process_single_process_starts_its_writer_up_front(tmp_path, straight):
+    run = Run(tmp_path, mode="async_process", interval=3)
+    writer = run.ckpt._writer
+    assert writer._proc.is_alive()  # started by the constructor, before any save
+    assert writer.wait_ready(120)
+    start, first = run.train(6)
+    assert start == 0 and first == straight[:6]
+    assert not writer._proc.is_alive()  # finish stops it
+    records = [r for r in _saves_log(tmp_path) if r["event"] == "saved"]
+    assert [r["save_step"] for r in records] == [3, 6]
+    assert records[0]["save_start_wait_s"] < 0.05  # the first save found it running
+    start, rest = Run(tmp_path, mode="async_process", interval=3).train(10)
+    assert start == 6 and rest == straight[6:]
+
+
+# -- the writer -----------------------------------------------------------------------------------
+
+
+def test_files_are_hashed_while_written_and_readable_by_stock_dcp(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import checkpoint.writer as writer
+
+    original_hash_file = hashing.hash_file
+
+    def no_reread_of_data(path, algorithm):
+        assert not str(path).endswith(".distcp"), f"{path} was read back to hash it"
+        return original_hash_file(path, algorithm)
+
+    monkeypatch.setattr(hashing, "hash_file", no_reread_of_data)
+    original_write = writer._os_write
+    monkeypatch.setattr(writer, "_os_write", lambda fd, data: original_write(fd, data[:4097]))
+    run = Run(tmp_path, mode="sync", interval=2, write_threads=3)
+    run.train(2)
+    monkeypatch.undo()
+    ckpt = tmp_path / "checkpoints" / "step_0000002"
+    manifest = store.read_manifest(ckpt)
+    data = sorted(n for n in manifest["files"] if n.endswith(".distcp"))
+    assert data == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]  # one file per thread
+    algorithm = hashing.default_algorithm()
+    for name in manifest["files"]:
+        recorded = manifest["files"][name][algorithm]
+        assert recorded == hashing.hash_file(ckpt / name, algorithm), name
+    # Stock DCP tooling reads the checkpoint (short writes were completed).
+    dcp_to_torch_save(str(ckpt), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    for name, p in run.model.named_parameters():
+        assert torch.equal(full["model"][name], p.detach()), name
+
+
+def test_checksum_off_records_and_checks_sizes_only(tmp_path, straight):
+    Run(tmp_path, interval=2, checksum=False).train(4)
+    manifest = store.read_manifest(tmp_path / "checkpoints" / "step_0000004")
+    assert all(set(e) == {"size"} for e in manifest["files"].values())
+    assert manifest["save_id"]  # trailers are still written and checked
+    start, rest = Run(tmp_path, interval=2, checksum=False).train(6)
+    assert start == 4 and rest == straight[4:6]
+
+
+# -- the benchmark command ----------------------------------------------------------------------
+
+
+def test_bench_checkpoint_runs_on_cpu(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable,
+        "tools/bench_checkpoint.py",
+        "--root",
+        str(tmp_path),
+        "--steps",
+        "8",
+        "--interval",
+        "4",
+        "--disk-gb",
+        "0.05",
+        "--d2h-gb",
+        "0.05",
+        "--json",
+        str(tmp_path / "bench.jsonl"),
+        "--",
+        "model=tiny",
+        "data.seq_len=64",
+        "data.max_bytes=400000",
+        "train.global_batch_size=8",
+    ]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    table = lines[-5:]
+    assert table[0].startswith("| mode | ranks | saves") and table[1].startswith("|---|")
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["sync", "async", "async_process"]
+    assert any(line.startswith("ceilings: host memcpy (no CUDA)") for line in lines)
+    result = json.loads((tmp_path / "bench.jsonl").read_text())
+    assert {r["mode"]: r["saves"] for r in result["rows"]} == {
+        "sync": 2,
+        "async": 2,
+        "async_process": 2,
+    }
+    assert result["disk_gbps"] > 0 and time.time() - t0 < 600
+
+
+# -- strided tensor-parallel shards through the staging path ------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["async", "async_process"])
+def test_tp_async_checkpoint_resumes_on_one_process(tmp_path, mode):
+    """train.py under tp=2 (fc1 is a strided shard: two blocks per rank, described to DCP by
+    the staged tensors' hooks), resumed in one process: the curve continues."""
+    import shutil
+
+    from tests.test_train import SMALL, train
+
+    steps = ["train.steps=8", "train.log_every=1", f"checkpoint={mode}", "checkpoint.interval=4"]
+    _, tp_run = train(tmp_path, "tp", *steps, *SMALL, "parallel=tp", nproc=2)
+    shutil.copytree(tmp_path / "tp", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "checkpoints" / "step_0000008")
+    r, resumed = train(tmp_path, "one", *steps, *SMALL)
+    assert "resumed_from_step=4" in r.stdout
+    assert [rec["step"] for rec in resumed] == list(range(1, 9))
+    for a, b in zip(tp_run[4:], resumed[4:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)

@@ -1,0 +1,395 @@
+"""Checkpoint benchmark: real training with saves, per checkpoint mode, against the machine's
+device-to-host and disk ceilings measured in the same run.
+
+    python tools/bench_checkpoint.py -- model=tiny data.seq_len=64               # CPU, tiny model
+    python tools/bench_checkpoint.py --root /ckpt/bench -- model=llama3_1b data.seq_len=8192 \
+        train.micro_batch_size=4 train.global_batch_size=4                          # 1 GPU
+    torchrun --nproc_per_node=2 tools/bench_checkpoint.py --root /ckpt/bench -- \
+        model=llama3_1b data.seq_len=8192 train.micro_batch_size=4 train.global_batch_size=8
+
+First the ceilings: pinned device-to-host copy (one large copy per rank, all ranks at once;
+on CPU a host memcpy instead) and the disk (every rank writes --disk-gb / ranks of data to the
+benchmark directory in 16 MiB writes and fsyncs, once with one stream per rank and once with
+checkpoint.write_threads streams per rank; the faster is the ceiling). Then, for each mode,
+train.py's `run()` in this process (`--steps` steps, a save every `--interval`, the final save
+included, checkpoint.keep_last=1) and the per-save records the checkpoint manager writes to
+<run_dir>/checkpoint_saves.jsonl (rank 0). Prints each save, then the summary table last:
+
+- bytes: the checkpoint (all ranks, from its manifest);
+- staging GB/s: rank 0's bytes / its staging copy time (the copies and their synchronize;
+  the Statefuls' state_dict() calls before it are listed per save) (async modes);
+- write GB/s: checkpoint bytes / the DCP save time (rank 0's save returns after every rank
+  wrote, so this is the aggregate rate to compare with the disk ceiling);
+- blocked/save: what the training loop waited per periodic save, less "device drain" (the
+  wait for the GPU to finish the step already queued when the save began: the GPU was busy
+  with it anyway, and the loop would have waited for it at its next sync); mean, with the
+  first save and the final save apart (the final save may wait for a busy writer by design);
+- total/save: save start to commit, mean; "queued" is the time a save waited for a free
+  staging buffer or behind the previous save for the writer (staging_buffers=2), so
+  total - queued (less the device drain) is the save's own time (staging + write + commit).
+
+Targets (issue #14), checked at the end: async blocked/save <= 0.5 s and <= 5% of sync's;
+total - queued <= 1.25 x bytes / disk ceiling; staging >= 70% of the D2H ceiling; write >= 80%
+of the disk ceiling. Extra train.py overrides go after `--`; `--json` appends the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("sync", "async", "async_process")
+_CHUNK = 16 << 20
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_initialized() else None
+
+
+def _barrier():
+    d = _dist()
+    if d is not None:
+        d.barrier()
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch
+
+    d = _dist()
+    if d is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    d.all_reduce(t, op=d.ReduceOp.MAX, group=_cpu_group())
+    return float(t.item())
+
+
+_GROUP = None
+
+
+def _cpu_group():
+    global _GROUP
+    if _GROUP is None:
+        _GROUP = _dist().new_group(backend="gloo")
+    return _GROUP
+
+
+def d2h_ceiling(nbytes: int) -> tuple[str, float]:
+    """(what, GB/s) of one large copy to pinned host memory per rank (all ranks at once);
+    a host memcpy without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        what = "pinned device-to-host, one copy"
+    else:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        what = "host memcpy (no CUDA)"
+    best = float("inf")
+    for _ in range(3):
+        _barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return what, nbytes / best / 1e9
+
+
+def _write_stream(path: Path, nbytes: int, block: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(block)
+        left = nbytes
+        while left > 0:
+            piece = view[: min(left, len(view))]
+            while len(piece):
+                piece = piece[os.write(fd, piece) :]
+            left -= min(left, len(view))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_ceiling(directory: Path, total_bytes: int, streams: int, rank: int, world: int) -> float:
+    """Aggregate GB/s of every rank writing total_bytes / world in `streams` files, fsync'ed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    per_stream = max(total_bytes // world // streams, _CHUNK)
+    block = os.urandom(_CHUNK)
+    paths = [directory / f"disk-probe-r{rank}-s{i}" for i in range(streams)]
+    _barrier()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=_write_stream, args=(p, per_stream, block)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = _max_over_ranks(time.perf_counter() - t0)
+    for p in paths:
+        p.unlink(missing_ok=True)
+    return per_stream * streams * world / elapsed / 1e9
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_mode(mode: str, args, overrides: list[str], root: Path) -> dict:
+    import torch
+
+    import train
+    from config import compose_config
+
+    name = f"bench-{mode}"
+    run_dir = root / name
+    if int(os.environ.get("RANK", 0)) == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    _barrier()
+    cfg = compose_config(
+        [
+            *overrides,
+            f"checkpoint={mode}",
+            f"checkpoint.interval={args.interval}",
+            "checkpoint.keep_last=1",
+            "checkpoint.resume=none",
+            f"train.steps={args.steps}",
+            f"train.log_every={args.interval}",
+            f"run.root={root}",
+            f"run.name={name}",
+        ]
+    )
+    t0 = time.perf_counter()
+    status = train.run(cfg)
+    seconds = time.perf_counter() - t0
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    _barrier()
+    records = read_jsonl(run_dir / "checkpoint_saves.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    step_s = [tokens / m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
+    out = {
+        "mode": mode,
+        "status": status,
+        "seconds": seconds,
+        "saves": [r for r in records if r.get("event") == "saved"],
+        "deferred": sum(r.get("event") == "deferred" for r in records),
+        "skipped": sum(r.get("event") == "skipped" for r in records),
+        "step_s": statistics.median(step_s) if step_s else None,
+        "write_threads": cfg.checkpoint.write_threads,
+    }
+    if int(os.environ.get("RANK", 0)) == 0 and not args.keep:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def _own_blocking(s: dict) -> float:
+    """What a save blocked the loop for, less the wait for the device to finish the step that
+    was already queued (the device was busy with it anyway)."""
+    return s["save_blocking_s"] - s.get("save_drain_s", 0.0)
+
+
+def summarize(result: dict, steps: int) -> dict:
+    saves = result["saves"]
+    periodic = [s for s in saves if s["save_step"] != steps]
+    rest = periodic[1:] if len(periodic) > 1 else periodic
+    gib = _mean([s.get("save_checkpoint_bytes") for s in saves])
+    stage = [s["save_bytes"] / s["save_stage_s"] / 1e9 for s in saves if s.get("save_stage_s")]
+    write = [
+        s["save_checkpoint_bytes"] / s["save_write_s"] / 1e9
+        for s in saves
+        if s.get("save_write_s") and s.get("save_checkpoint_bytes")
+    ]
+    own = [
+        s["save_total_s"]
+        - s.get("save_queue_s", 0.0)
+        - s.get("save_wait_prev_s", 0.0)
+        - s.get("save_drain_s", 0.0)
+        for s in saves
+    ]
+    return {
+        "mode": result["mode"],
+        "saves": len(saves),
+        "bytes": gib,
+        "stage_gbps": _mean(stage),
+        "write_gbps": _mean(write),
+        "blocked_first": _own_blocking(periodic[0]) if periodic else None,
+        "blocked_mean": _mean([_own_blocking(s) for s in rest]),
+        "blocked_final": next((_own_blocking(s) for s in saves if s["save_step"] == steps), None),
+        "drain_mean": _mean([s.get("save_drain_s") for s in saves]),
+        "total_mean": _mean([s["save_total_s"] for s in saves]),
+        "queued_mean": _mean(
+            [s.get("save_queue_s", 0.0) + s.get("save_wait_prev_s", 0.0) for s in saves]
+        ),
+        "own_mean": _mean(own),
+        "write_s_mean": _mean([s.get("save_write_s") for s in saves]),
+        "deferred": result["deferred"],
+        "skipped": result["skipped"],
+        "step_s": result["step_s"],
+        "status": result["status"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1 :]
+    else:
+        overrides = []
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--root", default="runs/bench_checkpoint", help="run root (the disk tested)")
+    p.add_argument("--disk-gb", type=float, default=4.0, help="bytes written by the disk test")
+    p.add_argument("--d2h-gb", type=float, default=2.0, help="bytes of the D2H copy per rank")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--json", help="append the results (one JSON line) to this file")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    root = Path(args.root).resolve()
+
+    from config import compose_config
+
+    threads = compose_config(overrides).checkpoint.write_threads
+    what, d2h = d2h_ceiling(int(args.d2h_gb * 1e9))
+    d2h = min(d2h, -_max_over_ranks(-d2h))  # the slowest rank
+    disk_total = int(args.disk_gb * 1e9)
+    disk_1 = disk_ceiling(root / "disk-probe", disk_total, 1, rank, world)
+    disk_n = disk_ceiling(root / "disk-probe", disk_total, threads, rank, world)
+    disk = max(disk_1, disk_n)
+    if rank == 0:
+        print(
+            f"ceilings: {what} {d2h:.2f} GB/s per rank; disk (write + fsync of "
+            f"{args.disk_gb:g} GB in {root}) {disk_1:.2f} GB/s with 1 stream per rank, "
+            f"{disk_n:.2f} GB/s with {threads} per rank",
+            flush=True,
+        )
+
+    results = [run_mode(m, args, overrides, root) for m in args.modes]
+    if rank != 0:
+        return 0
+    rows = [summarize(r, args.steps) for r in results]
+
+    print(
+        "\nper save (rank 0): mode | step | blocked s (of it: device finishing the queued step; "
+        "waiting for a free buffer; state_dict() calls; buffer allocation; the copy) | "
+        "queued s | writer start wait s | write s | total s"
+    )
+    for r in results:
+        for s in r["saves"]:
+            parts = "; ".join(
+                _f(s.get(f"save_{k}"), "{:.3f}")
+                for k in ("drain_s", "wait_prev_s", "state_dict_s", "alloc_s", "stage_s")
+            )
+            print(
+                f"  {r['mode']} | {s['save_step']} | {s['save_blocking_s']:.3f} ({parts}) | "
+                f"{_f(s.get('save_queue_s'), '{:.3f}')} | "
+                f"{_f(s.get('save_start_wait_s'), '{:.3f}')} | "
+                f"{s['save_write_s']:.3f} | {s['save_total_s']:.3f}"
+            )
+
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    print("\ntargets:")
+    for r in rows:
+        if r["mode"] == "sync" or r["blocked_mean"] is None:
+            continue
+        checks = [f"blocked {r['blocked_mean']:.3f}s <= 0.5s: {r['blocked_mean'] <= 0.5}"]
+        if sync and sync["blocked_mean"]:
+            ratio = r["blocked_mean"] / sync["blocked_mean"]
+            checks.append(f"<= 5% of sync: {ratio:.1%} {ratio <= 0.05}")
+        if r["bytes"] and r["own_mean"]:
+            bound = 1.25 * r["bytes"] / 1e9 / disk
+            checks.append(
+                f"total-queued {r['own_mean']:.2f}s <= {bound:.2f}s: {r['own_mean'] <= bound}"
+            )
+        if r["stage_gbps"]:
+            checks.append(f"staging {r['stage_gbps'] / d2h:.0%} of D2H (>= 70%)")
+        if r["write_gbps"]:
+            checks.append(f"write {r['write_gbps'] / disk:.0%} of disk (>= 80%)")
+        print(f"  {r['mode']}: " + "; ".join(checks))
+
+    header = (
+        "| mode | ranks | saves (deferred/skipped) | GiB/save | staging GB/s/rank | write GB/s "
+        "| blocked/save s (first; mean rest; final) | device drain s | total/save s | queued s "
+        "| total-queued s | step s |"
+    )
+    print(
+        f"\nceilings: {what} {d2h:.2f} GB/s/rank; disk {disk:.2f} GB/s "
+        f"(1 stream/rank {disk_1:.2f}, {threads}/rank {disk_n:.2f})\n"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in rows:
+        print(
+            f"| {r['mode']} | {world} | {r['saves']} ({r['deferred']}/{r['skipped']}) | "
+            f"{_f(r['bytes'] and r['bytes'] / 2**30, '{:.2f}')} | {_f(r['stage_gbps'])} | "
+            f"{_f(r['write_gbps'])} | {_f(r['blocked_first'], '{:.3f}')}; "
+            f"{_f(r['blocked_mean'], '{:.3f}')}; {_f(r['blocked_final'], '{:.3f}')} | "
+            f"{_f(r['drain_mean'], '{:.3f}')} | {_f(r['total_mean'])} | "
+            f"{_f(r['queued_mean'])} | {_f(r['own_mean'])} | {_f(r['step_s'], '{:.3f}')} |"
+            + ("" if r["status"] == 0 else f" (exit status {r['status']})")
+        )
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(
+                json.dumps(
+                    {
+                        "ranks": world,
+                        "d2h_gbps": d2h,
+                        "disk_gbps": disk,
+                        "disk_1_gbps": disk_1,
+                        "disk_n_gbps": disk_n,
+                        "overrides": overrides,
+                        "rows": rows,
+                        "saves": {r["mode"]: r["saves"] for r in results},
+                    }
+                )
+                + "\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
