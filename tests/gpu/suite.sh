@@ -8,6 +8,7 @@
 #                                         # (MATRIX_LAYOUTS="tp fsdp_tp", MATRIX_RECIPES="fp8_cs" for a subset)
 #   bash tests/gpu/suite.sh step          # training-step table (tools/bench_step.py): llama3_1b on 1 GPU,
 #                                         # llama3_8b FSDP on 2 (STEP_CASES="model:layout:recipe:ac:mbs ..." for others)
+#   bash tests/gpu/suite.sh ckpt          # checkpoint benchmark (tools/bench_checkpoint.py): llama3_1b, 1 GPU or 2
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
 #
@@ -83,6 +84,19 @@ step() {
     # shellcheck disable=SC2086  # STEP_OVERRIDES are words
     "$PY" tools/bench_step.py --nproc "$n" "${args[@]}" --json "$OUT/bench_step.json" \
         ${STEP_OVERRIDES:-} 2>&1 | tee "$OUT/bench_step.log" | tail -$((${#cases[@]} + 3)) || status=1
+}
+
+# shellcheck disable=SC2329
+ckpt() {
+    # tools/bench_checkpoint.py: sync, async, async_process saves of llama3_1b (seq 8192, mbs 4,
+    # 14 GiB per checkpoint) against the D2H and disk ceilings; on 2 GPUs when there are 2+.
+    local n=1 launch=("$PY")
+    if [[ $NGPU -ge 2 ]]; then n=2; launch=(torchrun --standalone --nproc_per_node=2); fi
+    stage "checkpoint saves, llama3_1b seq 8192, $n GPU(s): blocked and total per save vs ceilings"
+    "${launch[@]}" tools/bench_checkpoint.py --root "${CKPT_ROOT:-/tmp/gpu-suite-ckpt}" \
+        --steps "${CKPT_STEPS:-30}" --json "$OUT/bench_checkpoint.json" -- model=llama3_1b \
+        data.seq_len=8192 train.micro_batch_size=4 train.global_batch_size=$((4 * n)) 2>&1 \
+        | tee "$OUT/bench_checkpoint.log" | sed -n '/^per save/,$p' || status=1
 }
 
 # shellcheck disable=SC2329
@@ -181,8 +195,8 @@ scale() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|multi|matrix|scale) "$what" ;;
-        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|matrix|scale) "$what" ;;
+        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step|ckpt ..." >&2; exit 2 ;;
     esac
 done
 exit $status
