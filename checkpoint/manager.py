@@ -267,6 +267,9 @@ class CheckpointManager:
         self._saves = 0
         self._closed = False
         self._executor: ThreadPoolExecutor | None = None
+        # Rank 0 deletes old checkpoints on a thread of its own: the next save need not wait
+        # for it (deleting a 14 GiB checkpoint took ~4.5 s on an H200 host's disk).
+        self._pruner: ThreadPoolExecutor | None = None
         self._stager = None
         self._writer = None
         self._buffer_version = 0
@@ -610,14 +613,17 @@ class CheckpointManager:
                 )
             except _ERRORS as e:
                 raise self._failure(step, tmp, e, _state_bytes(state)) from None
+            t_commit = time.perf_counter()
             size = self._commit(tmp, step, out["file_hashes"], save_id) if self.rank == 0 else 0
             blocking = total = time.perf_counter() - t0
+            commit = time.perf_counter() - t_commit
             self._record(
                 step,
                 blocking_s=blocking,
                 total_s=total,
                 drain_s=drain,
                 write_s=out["write_s"],
+                commit_s=commit,
                 bytes=out["bytes"],
                 checkpoint_bytes=size,
             )
@@ -691,7 +697,9 @@ class CheckpointManager:
             raise
         out["write_start"] = t_start
         if self.rank == 0:
+            t_commit = time.perf_counter()
             out["checkpoint_bytes"] = self._commit(tmp, step, out["file_hashes"], save_id)
+            out["commit_s"] = time.perf_counter() - t_commit
         return out
 
     def _commit(self, tmp: Path, step: int, hashes: dict, save_id: str) -> int:
@@ -710,12 +718,26 @@ class CheckpointManager:
         final = self.root / store.step_name(step)
         store.commit(tmp, final)
         size = sum(f["size"] for f in manifest["files"].values())
-        pruned = store.prune(self.root, self.cfg.keep_last)
-        self._log(
-            f"step {step} committed to {final} ({size / 2**20:.1f} MiB)"
-            + (f"; pruned {', '.join(p.name for p in pruned)}" if pruned else "")
-        )
+        self._log(f"step {step} committed to {final} ({size / 2**20:.1f} MiB)")
+        if self._pruner is None:
+            self._pruner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-prune")
+        self._pruner.submit(self._prune)
         return size
+
+    def _prune(self) -> None:
+        """Rank 0's pruner thread: delete committed checkpoints beyond keep_last (never the
+        newest; `.tmp` directories being written are not listed)."""
+        try:
+            pruned = store.prune(self.root, self.cfg.keep_last)
+        except OSError as e:  # a checkpoint left behind costs space, never a run
+            self._log(f"could not prune old checkpoints in {self.root}: {e}")
+            return
+        if pruned:
+            self._log(f"pruned {', '.join(p.name for p in pruned)}")
+
+    def _wait_pruned(self) -> None:
+        if self._pruner is not None:
+            self._pruner.submit(lambda: None).result()
 
     def _failure(self, step: int, tmp: Path, e: BaseException, rank_bytes: int) -> BaseException:
         """The error a failed save raises: a one-line ConfigError for a full disk."""
@@ -792,6 +814,7 @@ class CheckpointManager:
             queue_s=max(0.0, out["write_start"] - (pending.start + pending.blocking_s)),
             **({"start_wait_s": out["start_wait_s"]} if "start_wait_s" in out else {}),
             write_s=out["write_s"],
+            **({"commit_s": out["commit_s"]} if "commit_s" in out else {}),
             bytes=pending.bytes,
             checkpoint_bytes=out.get("checkpoint_bytes", 0),
         )
@@ -828,6 +851,7 @@ class CheckpointManager:
         if save and self.saving and self.cfg.save_at_end and step != self._last_saved_step:
             self.save(step, state)
         self._wait_all()
+        self._wait_pruned()
         if self._dist:
             dist.barrier(group=self._pg)
         self.close()
@@ -843,6 +867,8 @@ class CheckpointManager:
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            if self._pruner is not None:
+                self._pruner.shutdown(wait=True)
             if self._writer is not None:
                 self._writer.close()
             if self._stager is not None:
@@ -857,7 +883,9 @@ class CheckpointManager:
         save_alloc_s: the Statefuls' state_dict() calls and buffer allocation before it),
         save_drain_s (waiting for the device to finish the step already queued: part of the
         blocking time, though the device was busy anyway),
-        save_wait_prev_s (waiting for a free buffer), save_queue_s (staged to write start), save_write_s (the DCP save), save_bytes (this rank's bytes),
+        save_wait_prev_s (waiting for a free buffer), save_queue_s (staged to write start), save_write_s (the DCP save), save_commit_s
+        (rank 0: manifest, rename; old checkpoints are pruned on another thread), save_bytes
+        (this rank's bytes),
         save_checkpoint_bytes (rank 0: the whole checkpoint). Empty when none completed."""
         self._poll()
         done, self._completed = self._completed, []

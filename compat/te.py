@@ -17,8 +17,10 @@ FusedAdam optimizer states before TE PR 2795) are handled in checkpoint/te_state
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,6 +30,8 @@ from compat.fsdp2 import enable_dim1_block_gather
 log = logging.getLogger(__name__)
 
 _APPLIED: dict[str, bool] = {}
+#: `wrap_step_resetting_fp8_caches`'s wrappers -> the step each wrapped.
+_WRAPPED_STEPS: dict[Callable, Callable] = {}
 
 
 def te_importable() -> bool:
@@ -80,27 +84,50 @@ def reset_fp8_weight_caches(optimizer: torch.optim.Optimizer) -> int:
     return count
 
 
-def ensure_fused_adam_fp8_cache_reset() -> bool:
-    """Wrap FusedAdam.step so the FP8 params it rewrote in place drop their cached transposes.
-    Applied whenever TE is present: seeing the gap takes an FP8 forward and backward under
-    te.autocast (the backward builds the cache), too much global FP8 state for a start-up
-    probe; tests/gpu/test_recipes_gpu.py runs exactly that with TE's own step and asserts the
-    gap, so that test fails the day TE resets the cache itself. True if patched (now or
-    before)."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
+def wrap_step_resetting_fp8_caches(cls: type) -> Callable:
+    """Make `cls.step` mark the optimizer's FP8 params' cached transposes stale after every
+    step (once: a second call finds the wrapper). Returns the step it wrapped. The wrapper is
+    found by identity along the `__wrapped__` chain: torch.optim wraps `step` in its profiling
+    hook on the first optimizer built (functools.wraps, which copies `__wrapped__` and any
+    marker attribute), before or after this."""
+    fn = cls.step
+    while fn is not None:
+        if fn in _WRAPPED_STEPS:
+            return _WRAPPED_STEPS[fn]
+        fn = getattr(fn, "__wrapped__", None)
+    original = cls.step
 
-    if hasattr(FusedAdam.step, "__wrapped__"):
-        return True
-    original = FusedAdam.step
-
+    @functools.wraps(original)  # keeps torch's `hooked` mark: no second profiling hook
     def step(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         reset_fp8_weight_caches(self)
         return out
 
-    step.__wrapped__ = original
-    FusedAdam.step = step
+    _WRAPPED_STEPS[step] = original
+    cls.step = step
+    return original
+
+
+def ensure_fused_adam_fp8_cache_reset() -> bool:
+    """Wrap FusedAdam.step so the FP8 params it rewrote in place drop their cached transposes.
+    Applied whenever TE is present: seeing the gap takes an FP8 forward and backward under
+    te.autocast (the backward builds the cache), too much global FP8 state for a start-up
+    probe; tests/gpu/test_recipes_gpu.py runs exactly that with TE's own step
+    (`unpatched_fused_adam_step`) and asserts the gap, so that test fails the day TE resets
+    the cache itself. True if patched (now or before)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    wrap_step_resetting_fp8_caches(FusedAdam)
+    _APPLIED["fused_adam"] = True
     return True
+
+
+def unpatched_fused_adam_step() -> Callable | None:
+    """TE's own FusedAdam.step, as it was before `ensure_fused_adam_fp8_cache_reset` (None
+    before that)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return wrap_step_resetting_fp8_caches(FusedAdam) if _APPLIED.get("fused_adam") else None
 
 
 # -- fsdp_post_all_gather with a DTensor `out` (TE PR 2713) ----------------------------------

@@ -10,6 +10,9 @@ From the second all-gather on, FSDP2 hands `fsdp_post_all_gather` the unsharded 
 `te_like_post_all_gather` does what TE does with `out` (reads its quantizer, adopts the
 buffer); the first test shows both failures without the wrapper and their absence with it,
 the second checks what the wrapper hands over in each case.
+
+Also `wrap_step_resetting_fp8_caches` (the FusedAdam fix's wrapper) against torch.optim's own
+step wrapper, in both orders.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat.te import wrap_post_all_gather
+from compat.te import wrap_post_all_gather, wrap_step_resetting_fp8_caches
 from tests.distributed import run_distributed
 
 ROWS, COLS = 4, 6
@@ -125,3 +128,43 @@ def _post_all_gather_worker(rank, world_size):
 
 def test_post_all_gather_wrapper_takes_dtensor_out_and_dim1_gathers():
     run_distributed(_post_all_gather_worker, 1)
+
+
+class Float8Quantizer:  # the class name reset_fp8_weight_caches looks for
+    pass
+
+
+def _fp8_like_param(resets: list) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.ones(2))
+    p._quantizer = Float8Quantizer()
+    p._reset_caches = lambda: resets.append(1)
+    return p
+
+
+@pytest.mark.parametrize("torch_hook_first", [True, False])
+def test_step_wrapper_with_torch_optimizer_hook(torch_hook_first):
+    """torch.optim wraps an optimizer class's step in its profiling hook (functools.wraps: it
+    sets `__wrapped__`) when the first instance is built. The fix must be applied whether that
+    happened before or after it, exactly once, and reset the caches once per step: a check of
+    `hasattr(step, "__wrapped__")` took torch's hook for the fix and skipped it."""
+
+    class Opt(torch.optim.SGD):
+        pass
+
+    if torch_hook_first:
+        Opt([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        assert hasattr(Opt.step, "__wrapped__")  # torch's hook
+    original = wrap_step_resetting_fp8_caches(Opt)
+    resets: list = []
+    p = _fp8_like_param(resets)
+    opt = Opt([p], lr=0.1)  # the hook goes on now if it was not there
+    assert wrap_step_resetting_fp8_caches(Opt) is original  # found, not wrapped twice
+    for n in (1, 2):
+        p.grad = torch.ones(2)
+        opt.step()
+        assert resets == [1] * n
+    assert torch.allclose(p.detach(), torch.full((2,), 0.8))
+    # The step it wrapped is the optimizer's own: no reset.
+    p.grad = torch.ones(2)
+    original(opt)
+    assert resets == [1, 1]

@@ -310,7 +310,7 @@ def main(argv: list[str]) -> int:
     print(
         "\nper save (rank 0): mode | step | blocked s (of it: device finishing the queued step; "
         "waiting for a free buffer; state_dict() calls; buffer allocation; the copy) | "
-        "queued s | writer start wait s | write s | total s"
+        "queued s | writer start wait s | write s | commit s | total s"
     )
     for r in results:
         for s in r["saves"]:
@@ -322,7 +322,8 @@ def main(argv: list[str]) -> int:
                 f"  {r['mode']} | {s['save_step']} | {s['save_blocking_s']:.3f} ({parts}) | "
                 f"{_f(s.get('save_queue_s'), '{:.3f}')} | "
                 f"{_f(s.get('save_start_wait_s'), '{:.3f}')} | "
-                f"{s['save_write_s']:.3f} | {s['save_total_s']:.3f}"
+                f"{s['save_write_s']:.3f} | {_f(s.get('save_commit_s'), '{:.3f}')} | "
+                f"{s['save_total_s']:.3f}"
             )
 
     sync = next((r for r in rows if r["mode"] == "sync"), None)

@@ -384,12 +384,11 @@ def test_fused_adam_fp8_step_leaves_no_stale_transpose():
     place. Whatever transpose the weight then offers to the next backward (on Hopper dgrad
     reads it) must be the transpose of the new bytes: with compat/te.py's fix it is; TE's own
     step (the wrapped one) leaves it stale, which is the gap the fix stands in for."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
-
     import compat
+    from compat.te import unpatched_fused_adam_step
 
     compat.apply_all()
-    original = getattr(FusedAdam.step, "__wrapped__", None)
+    original = unpatched_fused_adam_step()
     assert original is not None, "compat.apply_all() must wrap FusedAdam.step"
     assert _stale_fp8_transposes(lambda opt: original(opt)) != []  # TE alone: the gap
     assert _stale_fp8_transposes(lambda opt: opt.step()) == []  # with the fix
