@@ -500,9 +500,11 @@ class Recipe:
         re-quantizes the updated masters with the group the weights hold."""
         self.seed_master_weights(model, optimizer)
         if self.needs_weight_amax_group and amax_group is not None:
-            optimizer.register_step_pre_hook(
-                lambda _opt, _args, _kwargs: self.set_weight_amax_groups(model, amax_group)
-            )
+
+            def before_step(_optimizer, _args, _kwargs) -> None:  # a pre-hook returns None
+                self.set_weight_amax_groups(model, amax_group)
+
+            optimizer.register_step_pre_hook(before_step)
 
     def set_weight_amax_groups(self, model: torch.nn.Module, group) -> int:
         """Apply `group` (from weight_amax_group) to the per-tensor weight quantizers and

@@ -547,6 +547,26 @@ def test_set_weight_amax_groups_on_quantizers_and_tensors():
     )
 
 
+def test_attach_optimizer_reapplies_groups_before_each_step():
+    """The amax group goes back on before every optimizer step, through a step pre-hook; a
+    pre-hook that returns anything but None makes torch raise in step() (as the counting
+    set_weight_amax_groups once did under fp8_cs + TP)."""
+    model, cs_q = quantized_model()
+    quantize_weights(model)
+    group = object()
+    recipe = build_recipe(RecipeConfig(name="fp8_cs"), 2)
+    params = [torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    recipe.attach_optimizer(model, opt, group)
+    for _ in range(2):
+        set_weight_amax_groups(model, None)  # what FSDP2's all-gather hook does
+        params[0].grad = torch.ones(2)
+        opt.step()
+        assert cs_q[1].amax_reduction_group is group
+        assert model["cs"].fc1_weight.amax_reduction_group is group
+    assert torch.allclose(params[0].detach(), torch.full((2,), 0.8))
+
+
 def test_recipe_sets_groups_only_for_per_tensor_recipes():
     model, cs_q = quantized_model()
     group = object()
