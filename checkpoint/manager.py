@@ -601,16 +601,7 @@ class CheckpointManager:
         save_id = f"{self._token}-{self._saves}-step{step}"
         if self.cfg.mode == "sync":
             try:
-                out = write_checkpoint(
-                    state,
-                    tmp,
-                    save_id=save_id,
-                    algorithm=self._algorithm,
-                    thread_count=self.cfg.write_threads,
-                    sync_files=self.cfg.sync_files,
-                    process_group=self._pg,
-                    no_dist=not self._dist,
-                )
+                out = self._write_here(state, tmp, save_id)
             except _ERRORS as e:
                 raise self._failure(step, tmp, e, _state_bytes(state)) from None
             t_commit = time.perf_counter()
@@ -661,6 +652,20 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.set_buffers(buffers, self._buffer_version)
 
+    def _write_here(self, state: Mapping[str, Any], tmp: Path, save_id: str) -> dict[str, Any]:
+        """Write `state` (device tensors, or a staging buffer's views) into `tmp` from this
+        process: the DCP save with this manager's writer settings."""
+        return write_checkpoint(
+            state,
+            tmp,
+            save_id=save_id,
+            algorithm=self._algorithm,
+            thread_count=self.cfg.write_threads,
+            sync_files=self.cfg.sync_files,
+            process_group=self._pg,
+            no_dist=not self._dist,
+        )
+
     def _write(self, staged, tmp: Path, step: int, save_id: str) -> dict[str, Any]:
         """The writer thread: one save from a staging buffer, then (rank 0) its commit."""
         t_start = time.perf_counter()
@@ -681,16 +686,7 @@ class CheckpointManager:
                     }
                 )
             else:
-                out = write_checkpoint(
-                    self._stager.state_dict(staged),
-                    tmp,
-                    save_id=save_id,
-                    algorithm=self._algorithm,
-                    thread_count=self.cfg.write_threads,
-                    sync_files=self.cfg.sync_files,
-                    process_group=self._pg,
-                    no_dist=not self._dist,
-                )
+                out = self._write_here(self._stager.state_dict(staged), tmp, save_id)
         except BaseException:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing committed; give the space back

@@ -23,13 +23,13 @@ import atexit
 import json
 import os
 import secrets
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from errors import ConfigError
+from runtime import host_id, pid_alive, process_start
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0
@@ -39,29 +39,10 @@ STALE_S = 300.0
 _HELD: dict[Path, RunLock] = {}
 
 
-def _proc_start(pid: int) -> str | None:
-    """The start time of process `pid` in clock ticks since boot (Linux), else None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _describe(info: dict[str, Any]) -> str:
     started = info.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
-    return f"host {info.get('host', '?')}, pid {info.get('pid', '?')}, started {when}"
+    return f"host {str(info.get('host', '?')).split('/')[0]}, pid {info.get('pid', '?')}, started {when}"
 
 
 def _read(path: Path) -> tuple[dict | None, float | None]:
@@ -82,19 +63,19 @@ def _read(path: Path) -> tuple[dict | None, float | None]:
 
 def _stale_reason(info: dict | None, age: float | None) -> str | None:
     """Why the lock described by `info` is stale (None: it is held)."""
-    host = socket.gethostname()
+    host = host_id()
     if info is None:
         if age is not None and age > STALE_S:
             return f"its file is unreadable and untouched for {age:.0f}s"
         return None
     if info.get("host") == host:
         pid = int(info.get("pid", -1))
-        if pid == os.getpid() and info.get("proc_start") == _proc_start(pid):
+        if pid == os.getpid() and info.get("proc_start") == process_start(pid):
             return "it is held by this process (an earlier run in it ended without releasing)"
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return "its process is no longer running"
         start = info.get("proc_start")
-        if start is not None and _proc_start(pid) not in (None, start):
+        if start is not None and process_start(pid) not in (None, start):
             return "its pid now belongs to another process"
         return None
     if age is not None and age > STALE_S:
@@ -115,9 +96,9 @@ class RunLock:
     def acquire(cls, run_dir: Path, log=print) -> RunLock:
         path = Path(run_dir) / LOCK_NAME
         info = {
-            "host": socket.gethostname(),
+            "host": host_id(),
             "pid": os.getpid(),
-            "proc_start": _proc_start(os.getpid()),
+            "proc_start": process_start(os.getpid()),
             "started": time.time(),
             "token": secrets.token_hex(8),
         }

@@ -51,6 +51,7 @@ from data.config import DataConfig
 from data.packing import PACKING_VERSION, stream_key, token_chunks, tokenize_dataset
 from data.tokenizer import one_line, token_dtype
 from errors import ConfigError
+from runtime import host_id, pid_alive
 
 FORMAT = "te-llama-tokens-v1"
 SUBDIR = "te-llama-tokens"
@@ -158,29 +159,6 @@ class CacheEntry:
 # --- the lock ------------------------------------------------------------------------------
 
 
-def _host_id() -> str:
-    """The host and pid namespace: pids are comparable only between equal host ids."""
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return socket.gethostname()
-    return f"{socket.gethostname()}/pidns:{ns}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process its parent has not reaped yet is a zombie: gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 class _Lock:
     """An O_EXCL lock file that names its holder and is touched by a heartbeat thread."""
 
@@ -194,7 +172,7 @@ class _Lock:
     @classmethod
     def try_acquire(cls, path: Path) -> _Lock | None:
         info = {
-            "host": _host_id(),
+            "host": host_id(),
             "pid": os.getpid(),
             "nonce": uuid.uuid4().hex,
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -240,7 +218,7 @@ class _Holder:
             who = f"pid {info['pid']} on {info['host'].split('/')[0]} since {info['since']}"
         except (ValueError, KeyError, TypeError, AttributeError):
             info, who = None, "a process that has not written its name yet"
-        if info and info.get("host") == _host_id() and not _pid_alive(int(info["pid"])):
+        if info and info.get("host") == host_id() and not pid_alive(int(info["pid"])):
             return content, who, f"its process {info['pid']} is gone"
         # Heartbeat: compare with our own clock, not the file's mtime, so clock skew between
         # hosts of a shared filesystem cannot make a live lock look stale.

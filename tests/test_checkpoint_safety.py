@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import hashing, preflight, runlock, store
 from errors import ConfigError, NonFiniteLossError
+from runtime import host_id
 from tests.ckpt_harness import Loader, Run, committed
 from tests.distributed import run_distributed
 
@@ -390,7 +390,7 @@ def _lock_file(run_dir: Path, **info) -> Path:
 
 def test_lock_refuses_live_holders_and_takes_over_stale_ones(tmp_path):
     messages: list[str] = []
-    here = socket.gethostname()
+    here = host_id()  # this host and pid namespace
     # Another host, heartbeat fresh: refused with the holder named.
     path = _lock_file(tmp_path / "a", host="node-17", pid=4242, token="x")
     with pytest.raises(ConfigError, match=r"in use by another run \(host node-17, pid 4242, "):
