@@ -25,6 +25,19 @@ from steps import train_step
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 SEQ, BATCH, VOCAB = 32, 8, 258
+#: train.py overrides for the smallest model the CLI tests train (1 layer, dim 64, seq 32,
+#: 200 kB of the embedded corpus, 4 sequences per step, every step logged).
+TINY_RUN = [
+    "model.dim=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_dim=128",
+    "data.seq_len=32",
+    "data.max_bytes=200000",
+    "train.global_batch_size=4",
+    "train.log_every=1",
+]
 MODEL = ModelConfig(max_seq_len=64, rope_scaling=None)
 #: The checkpoint tests' optimizer and schedule: 5 warmup steps, cosine to 0.1 x lr at step 40.
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=5, min_lr_ratio=0.1)

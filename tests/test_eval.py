@@ -19,7 +19,7 @@ from runtime import launch
 from steps import evaluate
 from tests.distributed import run_distributed
 from tests.harness.resume import keep_only_checkpoint
-from tests.helpers import CPU_ENV
+from tests.helpers import CPU_ENV, TINY_RUN
 from tests.test_data import DOCS, expected_stream, hf_cfg, write_files
 
 TOK = ByteTokenizer()
@@ -134,15 +134,7 @@ def test_evaluate_is_the_mean_over_micro_batches_and_ranks():
 
 
 TINY = [
-    "model.dim=64",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_dim=128",
-    "data.seq_len=32",
-    "data.max_bytes=200000",
-    "train.global_batch_size=4",
-    "train.log_every=1",
+    *TINY_RUN,
     "optim.warmup_steps=2",
     "train.device=cpu",
 ]

@@ -9,7 +9,7 @@ import pytest
 from runlog import read_metrics
 from runtime import launch
 from tests.harness.resume import keep_only_checkpoint
-from tests.helpers import CPU_ENV
+from tests.helpers import CPU_ENV, TINY_RUN
 
 
 def train(tmp: Path, name: str, *overrides: str, nproc: int = 1, timeout: int = 600):
@@ -73,17 +73,11 @@ def test_tp_checkpoint_resumes_on_one_process(tmp_path):
 def test_profile_steps_write_the_trace_and_table_into_the_run_dir(tmp_path):
     import json
 
-    tiny = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1"]
     r, records = train(
         tmp_path,
         "prof",
-        *tiny,
-        "model.ffn_dim=128",
-        "data.seq_len=32",
-        "data.max_bytes=200000",
-        "train.global_batch_size=4",
+        *TINY_RUN,
         "train.steps=4",
-        "train.log_every=1",
         "train.profile_steps=[2,3]",
         "checkpoint=none",
     )

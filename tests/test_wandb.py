@@ -24,22 +24,15 @@ import pytest
 
 from runlog import read_metrics
 from tests.harness.resume import keep_only_checkpoint
+from tests.helpers import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 60
 ARGS = [
     "model=tiny",
-    "model.dim=64",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_dim=128",
-    "data.seq_len=32",
-    "data.max_bytes=200000",
-    "train.global_batch_size=4",
+    *TINY_RUN,
     "train.micro_batch_size=4",
-    "train.log_every=1",
     "optim.warmup_steps=10",
     "train.device=cpu",
     "checkpoint=sync",
