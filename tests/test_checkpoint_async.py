@@ -289,3 +289,30 @@ def test_tp_async_checkpoint_resumes_on_one_process(tmp_path, mode):
     assert [rec["step"] for rec in resumed] == list(range(1, 9))
     for a, b in zip(tp_run[4:], resumed[4:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_pruning_never_holds_a_save_and_keep_last_holds_at_the_end(tmp_path, monkeypatch, mode):
+    """Old checkpoints are deleted on rank 0's own thread: a slow delete (a large checkpoint on
+    a busy disk) must not add to any save's time, and the run still ends with exactly the
+    newest keep_last checkpoints."""
+    release = threading.Event()
+    real_prune = store.prune
+
+    def slow_prune(root, keep_last):
+        release.wait(timeout=60)
+        return real_prune(root, keep_last)
+
+    monkeypatch.setattr(store, "prune", slow_prune)
+    run = Run(tmp_path, mode=mode, interval=1, keep_last=2, when_busy="wait")  # every step saved
+
+    def on_step(step):
+        if step == 6:  # five saves committed while every delete is still waiting
+            assert committed(tmp_path / "checkpoints")[:1] == [1]
+            release.set()
+
+    run.train(6, on_step=on_step)
+    assert committed(tmp_path / "checkpoints") == [5, 6]
+    records = [r for r in _saves_log(tmp_path) if r["event"] == "saved"]
+    assert len(records) == 6 and max(r["save_total_s"] for r in records) < 30
+    assert all(r["save_commit_s"] < 5 for r in records)
