@@ -69,20 +69,22 @@ def exit_status(statuses: list[int]) -> int:
 
 
 def launch(
-    overrides: list[str],
+    args: list[str],
     *,
     nproc: int = 1,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
+    program: tuple[str, ...] = ("train.py",),
 ) -> subprocess.CompletedProcess:
-    """Run train.py with the Hydra `overrides` in a new process from the repository root,
-    under `torchrun --standalone --nproc_per_node=<nproc>` when nproc > 1; stdout and stderr
-    are captured as text. `env` adds to (or replaces in) this process's environment."""
+    """Run `program` (train.py, or e.g. ("-m", "tests.harness.matrix")) with `args` (for
+    train.py: Hydra overrides) in a new process from the repository root, under `torchrun
+    --standalone --nproc_per_node=<nproc>` when nproc > 1; stdout and stderr are captured as
+    text. `env` adds to (or replaces in) this process's environment."""
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(
-        [*cmd, "train.py", *overrides],
+        [*cmd, *program, *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True,

@@ -6,9 +6,6 @@ CUDA: here the same code runs on plain CPU buffers."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +15,9 @@ import torch
 
 import checkpoint.manager as manager_module
 from checkpoint import hashing, store
+from runtime import launch
 from tests.ckpt_harness import Run, committed
+from tests.helpers import CPU_ENV
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -230,10 +229,7 @@ def test_checksum_off_records_and_checks_sizes_only(tmp_path, straight):
 
 
 def test_bench_checkpoint_runs_on_cpu(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "tools/bench_checkpoint.py",
+    args = [
         "--root",
         str(tmp_path),
         "--steps",
@@ -253,7 +249,7 @@ def test_bench_checkpoint_runs_on_cpu(tmp_path):
         "train.global_batch_size=8",
     ]
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = launch(args, env=CPU_ENV, timeout=600, program=("tools/bench_checkpoint.py",))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     table = lines[-5:]

@@ -23,9 +23,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import hashing, preflight, runlock, store
 from errors import ConfigError, NonFiniteLossError
-from runtime import host_id
+from runtime import host_id, launch
 from tests.ckpt_harness import Loader, Run, committed
 from tests.distributed import run_distributed
+from tests.helpers import CPU_ENV
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -313,26 +314,18 @@ def test_train_py_nan_loss_is_one_line_and_never_commits(tmp_path, monkeypatch):
 
 
 def _train_py(tmp: Path, name: str, *overrides: str, wait: bool = True, root: str | None = None):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "train.py",
-        f"run.root={root or tmp}",
-        f"run.name={name}",
-        *SMALL,
-        *overrides,
-    ]
-    if not wait:
-        return subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = [f"run.root={root or tmp}", f"run.name={name}", *SMALL, *overrides]
+    if wait:
+        return launch(args, env=CPU_ENV, timeout=600)
+    return subprocess.Popen(  # still running when this returns: the caller kills or waits
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_unwritable_root_and_no_room_fail_before_the_model(tmp_path):

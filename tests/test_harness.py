@@ -7,11 +7,9 @@ bitwise equal."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from runtime import launch
 from tests.harness.resume import (
     keep_only_checkpoint,
     loss_parity,
@@ -72,25 +70,12 @@ def test_keep_only_checkpoint_resumed_and_second_half(tmp_path):
 
 def test_resume_command_line_on_cpu(tmp_path):
     """python -m tests.harness.resume: run A and run B as train.py subprocesses."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.harness.resume",
-        "--steps",
-        "4",
-        "--",
-        "model=tiny",
-        "data.seq_len=64",
-        "data.max_bytes=400000",
-        "train.global_batch_size=8",
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    args = ["--steps", "4", "--", "model=tiny", "data.seq_len=64", "data.max_bytes=400000"]
+    proc = launch(
+        [*args, "train.global_batch_size=8"],
+        env={**CPU_ENV, "TMPDIR": str(tmp_path)},
         timeout=600,
-        env={**os.environ, **CPU_ENV, "TMPDIR": str(tmp_path)},
+        program=("-m", "tests.harness.resume"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| bf16-sync | True | 2 | 0 | True |" in proc.stdout, proc.stdout
@@ -98,14 +83,7 @@ def test_resume_command_line_on_cpu(tmp_path):
 
 def test_in_process_resume_matrix_fsdp_tp_every_mode(tmp_path):
     out = tmp_path / "rows.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        "-m",
-        "tests.harness.matrix",
+    args = [
         "--layout",
         "fsdp_tp",
         "--recipes",
@@ -118,23 +96,17 @@ def test_in_process_resume_matrix_fsdp_tp_every_mode(tmp_path):
         "data.seq_len=64",
         "train.global_batch_size=8",
     ]
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = launch(
+        args,
+        nproc=4,
+        env={"TMPDIR": str(tmp_path)},
         timeout=600,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        program=("-m", "tests.harness.matrix"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["sync", "async", "async_process"]
     for r in rows:
         assert r["resumed"] and r["bitwise"] and r["steps"] == 3 and r["max_abs"] == 0.0, r
-    table = subprocess.run(
-        [sys.executable, "-m", "tests.harness.matrix", "--table", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    table = launch(["--table", str(out)], program=("-m", "tests.harness.matrix"))
     assert table.returncode == 0 and table.stdout.count("| fsdp_tp | bf16 |") == 3

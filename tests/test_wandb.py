@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from runlog import read_metrics
+from runtime import launch
+from tests.ckpt_harness import committed
 from tests.harness.resume import keep_only_checkpoint
 from tests.helpers import TINY_RUN
 
@@ -93,17 +95,6 @@ def env(**extra):
     )
 
 
-def committed_steps(run_dir: Path) -> list[int]:
-    ckpts = run_dir / "checkpoints"
-    if not ckpts.is_dir():
-        return []
-    return sorted(
-        int(p.name.removeprefix("step_"))
-        for p in ckpts.iterdir()
-        if p.name.startswith("step_") and p.name.removeprefix("step_").isdigit()
-    )
-
-
 def logged_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
@@ -116,27 +107,32 @@ def test_held_records_reach_wandb_once_across_kill_and_resume(tmp_path):
     run_env = env(PYTHONPATH=str(fake), FAKE_WANDB_LOG=str(calls_log))
     run_dir = tmp_path / "w"
     args = [*ARGS, f"train.steps={STEPS}", "checkpoint.interval=20", "logger.wandb.mode=offline"]
-    cmd = [sys.executable, "train.py", f"run.root={tmp_path}", "run.name=w", *args]
+    args = [f"run.root={tmp_path}", "run.name=w", *args]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 300
     # Kill once a checkpoint is committed and the trainer has logged 3 more steps past it.
     while proc.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint in time"
-        committed, logged = committed_steps(run_dir), logged_steps(run_dir)
-        if committed and logged and logged[-1] >= committed[-1] + 3:
+        done, logged = committed(run_dir / "checkpoints"), logged_steps(run_dir)
+        if done and logged and logged[-1] >= done[-1] + 3:
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.05)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill:\n{out[-3000:]}"
-    checkpoint = committed_steps(run_dir)[-1]
+    checkpoint = committed(run_dir / "checkpoints")[-1]
     killed_last = logged_steps(run_dir)[-1]
     assert killed_last > checkpoint  # the killed run logged steps its checkpoint does not cover
     killed_pid = proc.pid
 
-    resumed = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True)
+    resumed = launch(args, env=run_env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed_from_step={checkpoint}" in resumed.stdout
 
@@ -168,14 +164,7 @@ def test_held_records_reach_wandb_once_across_kill_and_resume(tmp_path):
 def test_real_wandb_offline_segments_and_sidecar(tmp_path):
     args = [a for a in ARGS if not a.startswith("checkpoint.keep_last")]
     args += ["train.steps=4", "checkpoint.interval=2", "logger.wandb.mode=offline"]
-    a = subprocess.run(
-        [sys.executable, "train.py", f"run.root={tmp_path}", "run.name=a", *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    a = launch([f"run.root={tmp_path}", "run.name=a", *args], env=env(), timeout=600)
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
     run_id = (tmp_path / "a" / "wandb_run_id").read_text().strip()
     sent = json.loads((tmp_path / "a" / "wandb_sent.json").read_text())
@@ -184,14 +173,7 @@ def test_real_wandb_offline_segments_and_sidecar(tmp_path):
     # A resume from step 2 opens a second segment of the same wandb run.
     keep_only_checkpoint(tmp_path / "a", tmp_path / "b", 2)
     (tmp_path / "b" / "wandb_sent.json").write_text(json.dumps({"run_id": run_id, "step": 2}))
-    b = subprocess.run(
-        [sys.executable, "train.py", f"run.root={tmp_path}", "run.name=b", *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    b = launch([f"run.root={tmp_path}", "run.name=b", *args], env=env(), timeout=600)
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
     assert "resumed_from_step=2" in b.stdout
     assert len(list((tmp_path / "b" / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
