@@ -1,7 +1,7 @@
-"""A small training harness for the checkpoint safety and async tests (kept apart from
-tests/test_checkpoint.py's): the tiny reference Llama, a deterministic loader whose state is
-the number of samples consumed, AdamW, and a loop that drives a CheckpointManager the way
-train.py does (observe_loss every step, check_finite at log steps, maybe_save, finish)."""
+"""A small training harness for the checkpoint safety and async tests: tests/helpers.py's tiny
+reference Llama and FakeLoader, AdamW at a constant lr, steps.train_step, and a loop that
+drives a CheckpointManager the way train.py does (observe_loss every step, check_finite at
+log steps, maybe_save, finish)."""
 
 from __future__ import annotations
 
@@ -14,40 +14,10 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointManager, TrainState, training_state
 from checkpoint.config import CheckpointConfig
-from model.config import ModelConfig
 from model.init import init_weights
 from model.llama import Llama
-
-SEQ, BATCH, VOCAB = 32, 8, 258
-MODEL = ModelConfig(max_seq_len=64, rope_scaling=None)
-
-
-class Loader:
-    def __init__(self, dp_rank: int = 0, dp_size: int = 1):
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.consumed = 0
-
-    def next_batch(self) -> torch.Tensor:
-        local = BATCH // self.dp_size
-        start = self.consumed + self.dp_rank * local
-        self.consumed += BATCH
-        rows = []
-        for i in range(start, start + local):
-            g = torch.Generator().manual_seed(7919 * i + 1)
-            rows.append(torch.randint(0, VOCAB, (SEQ + 1,), generator=g))
-        return torch.stack(rows)
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.consumed = int(sd["consumed"])
-
-
-def config_yaml(cfg: ModelConfig = MODEL) -> str:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured({"model": cfg}))
+from steps import next_token_loss, train_step
+from tests.helpers import MODEL, FakeLoader, config_yaml
 
 
 def ckpt_cfg(**kw) -> CheckpointConfig:
@@ -66,7 +36,7 @@ class Run:
             model = Llama(MODEL)
             init_weights(model, MODEL, 0)
         self.model = model
-        self.loader = loader or Loader()
+        self.loader = loader or FakeLoader()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0)
         self.train_state = TrainState(config_yaml=config_yaml())
@@ -83,17 +53,22 @@ class Run:
     def step(
         self, step: int, *, corrupt: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     ):
+        def loss_fn(model, x, y):
+            loss = next_token_loss(model, x, y)
+            return loss if corrupt is None else corrupt(step, loss)
+
         batch = self.loader.next_batch()
-        loss = self.model(batch[:, :-1], labels=batch[:, 1:])
-        if corrupt is not None:
-            loss = corrupt(step, loss)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        loss, _ = train_step(
+            self.model,
+            self.optimizer,
+            batch[:, :-1],
+            batch[:, 1:],
+            scheduler=self.scheduler,
+            loss_fn=loss_fn,
+        )
         self.train_state.step = step
-        self.ckpt.observe_loss(step, loss.detach())
-        return loss.detach()
+        self.ckpt.observe_loss(step, loss)
+        return loss
 
     def train(
         self,

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint import hashing, preflight, runlock, store
 from errors import ConfigError, NonFiniteLossError
 from runtime import host_id, launch
-from tests.ckpt_harness import Loader, Run, committed
+from tests.ckpt_harness import Run, committed
 from tests.distributed import run_distributed
-from tests.helpers import CPU_ENV
+from tests.helpers import CPU_ENV, FakeLoader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -457,7 +457,7 @@ def _two_rank_cases(rank, world_size, tmp):
     tmp = Path(tmp)
 
     def run(sub, **kw):
-        return Run(tmp / sub, loader=Loader(rank, world_size), **kw)
+        return Run(tmp / sub, loader=FakeLoader(rank, world_size), **kw)
 
     # A flipped byte in a file that rank 1 verifies: both ranks refuse with the same line.
     run("damaged").train(4)
