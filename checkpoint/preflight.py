@@ -23,27 +23,14 @@ from checkpoint import staging
 from checkpoint.config import validate
 from checkpoint.runlock import RunLock
 from errors import ConfigError
+from model.flops import parameter_count
 
 GiB = 2**30
 
 
-def estimate_parameters(m: Any) -> int:
-    """Parameters of a Llama ModelConfig (model/config.py), without building it."""
-    hd = m.dim // m.n_heads
-    vocab = -(-m.vocab_size // m.pad_vocab_multiple) * m.pad_vocab_multiple
-    per_layer = (
-        m.dim * (m.n_heads + 2 * m.n_kv_heads) * hd  # fused QKV
-        + m.n_heads * hd * m.dim  # attention output
-        + 3 * m.dim * m.ffn_dim  # fc1 [gate; up] and fc2
-        + 2 * m.dim  # the two norms
-    )
-    head = 0 if m.tie_embeddings else vocab * m.dim
-    return m.n_layers * per_layer + vocab * m.dim + head + m.dim
-
-
 def estimate_checkpoint_bytes(m: Any, quantized_weights: bool = False) -> int:
     """Bytes of one checkpoint of the whole run (all ranks), roughly."""
-    return estimate_parameters(m) * (13 if quantized_weights else 12)
+    return parameter_count(m) * (13 if quantized_weights else 12)
 
 
 def _writable(path: Path, field: str) -> None:
@@ -81,7 +68,7 @@ def prepare_run_dir(
             raise ConfigError(
                 f"checkpoint.dir={ck.dir}: {root} has {free / GiB:.1f} GiB free, one checkpoint "
                 f"of model {cfg.model.name} needs about {need / GiB:.1f} GiB "
-                f"({estimate_parameters(cfg.model) / 1e6:.0f}M parameters x "
+                f"({parameter_count(cfg.model) / 1e6:.0f}M parameters x "
                 f"{13 if quantized else 12} bytes); free space or point checkpoint.dir to a "
                 "larger filesystem"
             )

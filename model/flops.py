@@ -37,6 +37,14 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + cfg.dim * cfg.padded_vocab_size
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """Every parameter of the model (either implementation), without building it: the matmul
+    weights, the embedding unless the head shares it, and the RMSNorm weights (two per block
+    and the final one)."""
+    embedding = 0 if cfg.tie_embeddings else cfg.dim * cfg.padded_vocab_size
+    return matmul_params(cfg) + embedding + (2 * cfg.n_layers + 1) * cfg.dim
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
     return 6.0 * matmul_params(cfg) + attention

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import hashing, preflight, runlock, store
 from errors import ConfigError, NonFiniteLossError
+from model.flops import parameter_count
 from runtime import host_id, launch
 from tests.ckpt_harness import Run, committed
 from tests.distributed import run_distributed
@@ -349,7 +350,7 @@ def test_preflight_checks_space_and_host_memory(tmp_path, monkeypatch):
 
     cfg = compose_config([f"run.root={tmp_path}", "run.name=p", "checkpoint=async"])
     need = preflight.estimate_checkpoint_bytes(cfg.model)
-    assert need == preflight.estimate_parameters(cfg.model) * 12
+    assert need == parameter_count(cfg.model) * 12
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, need - 1))
     with pytest.raises(ConfigError, match=r"has 0\.0 GiB free, one checkpoint of model tiny"):
         preflight.prepare_run_dir(cfg, 0, 1)
@@ -366,9 +367,15 @@ def test_preflight_checks_space_and_host_memory(tmp_path, monkeypatch):
 
 def test_llama3_1b_estimate_matches_the_measured_checkpoint():
     from config import compose_config
+    from model.llama import Llama
 
+    for overrides in (["model=tiny"], ["model=tiny", "model.tie_embeddings=true"]):
+        m = compose_config(overrides).model
+        with torch.device("meta"):
+            built = sum(p.numel() for p in Llama(m).parameters())
+        assert parameter_count(m) == built, overrides
     cfg = compose_config(["model=llama3_1b"])
-    n = preflight.estimate_parameters(cfg.model)
+    n = parameter_count(cfg.model)
     assert 1.23e9 < n < 1.24e9  # Llama 3.2 1B
     gib = preflight.estimate_checkpoint_bytes(cfg.model) / 2**30
     assert abs(gib - 14.1) < 0.5  # issue #14 measured 14.1 GiB
