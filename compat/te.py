@@ -84,17 +84,25 @@ def reset_fp8_weight_caches(optimizer: torch.optim.Optimizer) -> int:
     return count
 
 
+def _step_before_wrapper(cls: type) -> Callable | None:
+    """The step `wrap_step_resetting_fp8_caches` wrapped for `cls` (None: not wrapped)."""
+    fn = cls.step
+    while fn is not None:
+        if fn in _WRAPPED_STEPS:
+            return _WRAPPED_STEPS[fn]
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
 def wrap_step_resetting_fp8_caches(cls: type) -> Callable:
     """Make `cls.step` mark the optimizer's FP8 params' cached transposes stale after every
     step (once: a second call finds the wrapper). Returns the step it wrapped. The wrapper is
     found by identity along the `__wrapped__` chain: torch.optim wraps `step` in its profiling
     hook on the first optimizer built (functools.wraps, which copies `__wrapped__` and any
     marker attribute), before or after this."""
-    fn = cls.step
-    while fn is not None:
-        if fn in _WRAPPED_STEPS:
-            return _WRAPPED_STEPS[fn]
-        fn = getattr(fn, "__wrapped__", None)
+    found = _step_before_wrapper(cls)
+    if found is not None:
+        return found
     original = cls.step
 
     @functools.wraps(original)  # keeps torch's `hooked` mark: no second profiling hook
@@ -118,7 +126,6 @@ def ensure_fused_adam_fp8_cache_reset() -> bool:
     from transformer_engine.pytorch.optimizers import FusedAdam
 
     wrap_step_resetting_fp8_caches(FusedAdam)
-    _APPLIED["fused_adam"] = True
     return True
 
 
@@ -127,7 +134,7 @@ def unpatched_fused_adam_step() -> Callable | None:
     before that)."""
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    return wrap_step_resetting_fp8_caches(FusedAdam) if _APPLIED.get("fused_adam") else None
+    return _step_before_wrapper(FusedAdam)
 
 
 # -- fsdp_post_all_gather with a DTensor `out` (TE PR 2713) ----------------------------------
