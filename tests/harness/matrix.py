@@ -146,26 +146,16 @@ def main() -> int:
         dist.broadcast_object_list(box, src=0)  # one directory for all ranks
         tmp = Path(box[0])
         for recipe, qinit, mode in cases(args):
+            key = dict(layout=args.layout, recipe=recipe, quantized_init=qinit, mode=mode)
             try:
                 row = run_case(tmp, recipe, qinit, mode, args, rank)
             except ConfigError as e:  # a combination the config check refuses, by design
-                row = dict(
-                    layout=args.layout,
-                    recipe=recipe,
-                    quantized_init=qinit,
-                    mode=mode,
-                    refused=str(e),
-                )
+                row = dict(key, refused=str(e))
             except Exception as e:  # raised on every rank alike (TE, torch): next case
                 if rank == 0:
                     traceback.print_exc()
-                row = dict(
-                    layout=args.layout,
-                    recipe=recipe,
-                    quantized_init=qinit,
-                    mode=mode,
-                    error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                )
+                first = str(e).splitlines()[0] if str(e) else ""
+                row = dict(key, error=f"{type(e).__name__}: {first}")
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
