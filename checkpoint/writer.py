@@ -41,8 +41,10 @@ from torch.futures import Future
 from checkpoint import hashing, store
 from checkpoint.planners import BlockSavePlanner
 
-#: Bytes hashed and written per system call.
-_CHUNK = 1 << 24
+#: Bytes hashed and written per system call. Large, because a writer thread takes the GIL
+#: back after every hash and write call, and in `async` mode the training thread holds the GIL
+#: while its kernel launches block on a full launch queue: each take-back can wait milliseconds.
+_CHUNK = 1 << 28
 #: The write system call (tests replace it to simulate a full disk).
 _os_write = os.write
 

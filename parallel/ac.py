@@ -3,10 +3,17 @@ activations (`parallel.activation_checkpointing`, `parallel.activation_checkpoin
 
 Modes:
 
-    none   keep every activation (fastest, most memory)
-    full   recompute whole blocks: a block keeps only its input (about one extra forward)
-    mlp    recompute only each block's MLP (norm, fc1, SwiGLU, fc2): its activations are the
-           largest part of a block's, its recompute is cheaper than the whole block's
+    none       keep every activation (fastest, most memory)
+    full       recompute whole blocks: a block keeps only its input (about one extra forward)
+    mlp        recompute each block's MLP (norm, fc1, SwiGLU, fc2): its activations are the
+               largest part of a block's, its recompute is cheaper than the whole block's
+    selective  recompute only what the MLP's backward needs (norm, fc1, SwiGLU; not fc2, whose
+               output backward never reads): TE's own LayerNormMLP(checkpoint=True), which
+               keeps the block's input and weights instead of the fc1 and SwiGLU outputs
+               (the largest activations). The cheapest mode that saves memory; attention and
+               its projections keep their activations. The reference model recomputes the
+               whole MLP for it (the same numbers; it is the parity implementation, not a
+               fast one).
 
 `activation_checkpointing_every=N` applies the mode to blocks 0, N, 2N, ... only, a finer
 trade of memory for speed (N=2 recomputes half the blocks).
@@ -31,7 +38,7 @@ from torch import nn
 
 from errors import ConfigError
 
-MODES = ("none", "full", "mlp")
+MODES = ("none", "full", "mlp", "selective")
 
 
 def check_mode(mode: str, every: int) -> None:
@@ -89,9 +96,14 @@ def apply_activation_checkpointing(
                 f"layers.{i}.layernorm_mlp",
             )
         )
+        done.append(name)
+        if mode == "selective" and impl == "te":
+            # TE recomputes in the forward's quantization state itself (it saves the autocast
+            # state and, for delayed scaling, the forward's scales for the recompute).
+            target.checkpoint = True
+            continue
         if impl == "te":
             checkpoint(target, context_fn=_te_context_fn(recipe, i))
         else:
             checkpoint(target)
-        done.append(name)
     return done

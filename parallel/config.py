@@ -23,7 +23,8 @@ class ParallelConfig:
     #: TE tensor parallel: sequence-parallel norms/activations between the TP regions.
     sequence_parallel: bool = True
     #: Recompute activations in backward (parallel/ac.py): none | full (whole blocks) | mlp
-    #: (each block's MLP only, the larger share of its activations).
+    #: (each block's MLP only, the larger share of its activations) | selective (the MLP's
+    #: norm, fc1 and SwiGLU only, TE's LayerNormMLP checkpoint: the cheapest recompute).
     activation_checkpointing: str = "none"
     #: Apply activation_checkpointing to every N-th block only (1: all blocks).
     activation_checkpointing_every: int = 1

@@ -298,7 +298,9 @@ def test_dcp_without_block_planner_refuses_fc1(tmp_path):
 # ---- activation checkpointing (parallel/ac.py) ----------------------------------------------
 
 
-@pytest.mark.parametrize("mode,every", [("full", 1), ("mlp", 1), ("full", 2), ("mlp", 3)])
+@pytest.mark.parametrize(
+    "mode,every", [("full", 1), ("mlp", 1), ("full", 2), ("mlp", 3), ("selective", 2)]
+)
 def test_activation_checkpointing_matches_no_checkpointing(mode, every):
     """Same loss and bitwise the same gradients with and without recomputation (one process,
     fp32); the checkpointed modules are the ones the mode and `every` name, and parameter

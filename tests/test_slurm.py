@@ -386,7 +386,7 @@ def test_presets_budget_and_groups(preset, model, seq_len):
     cfg, validate_batch = compose([f"experiment={preset}"])
     assert cfg.model.name == model and cfg.data.name == "hf" and cfg.data.seq_len == seq_len
     assert cfg.data.path == "HuggingFaceFW/fineweb-edu" and cfg.data.subset == "sample-10BT"
-    assert cfg.checkpoint.mode == "async" and cfg.logger.wandb.mode == "online"
+    assert cfg.checkpoint.mode == "async_process" and cfg.logger.wandb.mode == "online"
     tokens = cfg.train.steps * cfg.train.global_batch_size * cfg.data.seq_len
     assert tokens == cfg.experiment["token_budget"] == 9_961_472_000
     assert cfg.optim.warmup_steps < cfg.train.steps

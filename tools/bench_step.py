@@ -7,7 +7,7 @@
     python tools/bench_step.py --case tiny:fsdp:bf16:none:16 --seq 256 --steps 6 --warmup 2   # CPU
 
 A case is `model:layout:recipe:activation_checkpointing:micro_batch`, where recipe may end in
-`+q` (recipe.quantized_init=true) and activation_checkpointing is none, full or mlp,
+`+q` (recipe.quantized_init=true) and activation_checkpointing is none, full, mlp or selective,
 optionally with `/N` for every N-th block (`full/2`). Each case runs `train.py` in its own
 process (or torchrun job) on the embedded data with `checkpoint=none`, global batch = micro
 batch x data-parallel size (no accumulation), `--steps` steps logged every step; the figures
@@ -16,7 +16,8 @@ reports them: MFU against the GPU's dense bf16 peak, 989 TFLOP/s on H100/H200), 
 allocated memory of the run. Prints one markdown table last; `--json` appends one record
 per case. `--repo DIR` runs another checkout's train.py (a before/after comparison in one
 session); `--profile-steps 10-11` records those steps with torch.profiler (train.py's
-`train.profile_steps`) and copies the kernel table next to the JSON.
+`train.profile_steps`) and writes the kernel table and tools/trace_summary.py's breakdown next
+to the JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import trace_summary  # noqa: E402
 
 DEFAULT_CASES = [
     "llama3_1b:fsdp:bf16:none:4",
@@ -59,7 +63,7 @@ def parse_case(text: str) -> dict:
         )
     except ValueError:
         raise SystemExit(
-            f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp[/N]:micro_batch"
+            f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp|selective[/N]:micro_batch"
         ) from None
 
 
@@ -123,8 +127,17 @@ def run_case(case: dict, args, run_root: str) -> dict:
         steps_measured=len(steady),
     )
     for prof in (run_dir / "profile").glob("*.txt") if args.json else []:
-        dest = Path(args.json).with_name(f"profile_case{case['index']}_{prof.name}")
+        label = f"{args.label}_" if args.label else ""
+        dest = Path(args.json).with_name(f"profile_{label}case{case['index']}_{prof.name}")
         shutil.copy(prof, dest)
+        trace = prof.with_suffix(".json")
+        first, _, last = args.profile_steps.partition("-")
+        try:  # where the step's device time goes (none on a CPU run)
+            with open(trace) as f:
+                summary = trace_summary.summarize(json.load(f), int(last or first) - int(first) + 1)
+        except (OSError, ValueError):
+            continue
+        dest.with_suffix(".summary.md").write_text(trace_summary.render(summary) + "\n")
     return result
 
 

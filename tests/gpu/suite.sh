@@ -69,12 +69,14 @@ step() {
         if [[ $NGPU -ge 2 ]]; then
             n=2
             cases=(llama3_8b:fsdp:bf16:none:1 llama3_8b:fsdp:fp8_delayed:none:1
-                   llama3_8b:fsdp:fp8_cs:none:1 llama3_8b:fsdp:bf16:full:1
-                   llama3_8b:fsdp:fp8_cs:full:1 llama3_8b:fsdp:bf16:full/2:1)
+                   llama3_8b:fsdp:fp8_cs+q:none:1 llama3_8b:fsdp:bf16:selective:1
+                   llama3_8b:fsdp:fp8_delayed:selective:1 llama3_8b:fsdp:bf16:full:1
+                   llama3_8b:fsdp:fp8_cs:full:1)
         else
             cases=(llama3_1b:fsdp:bf16:none:4 llama3_1b:fsdp:fp8_delayed:none:4
                    llama3_1b:fsdp:fp8_cs:none:4 llama3_1b:fsdp:fp8_cs+q:none:4
-                   llama3_1b:fsdp:fp8_block:none:4 llama3_1b:fsdp:bf16:full:4
+                   llama3_1b:fsdp:fp8_block:none:4 llama3_1b:fsdp:bf16:selective:4
+                   llama3_1b:fsdp:fp8_delayed:selective:4 llama3_1b:fsdp:bf16:full:4
                    llama3_1b:fsdp:fp8_cs:full:4)
         fi
     fi

@@ -1,5 +1,5 @@
 """Activation checkpointing on the TE model: the same losses and gradients as without it, for
-every recipe this GPU runs, with and without quantized weights, in both modes.
+every recipe this GPU runs, with and without quantized weights, in every mode.
 
     python -m pytest -m gpu tests/gpu/test_ac_gpu.py -q -s
 
@@ -70,7 +70,7 @@ def test_activation_checkpointing_matches(recipe_name, quantized_init):
     if recipe_name not in runnable_recipes(capability):
         pytest.skip(f"{recipe_name} does not run on sm_{capability[0]}{capability[1]}")
     ref = _run(recipe_name, quantized_init, "none")
-    for mode, every in (("full", 1), ("mlp", 1), ("full", 2)):
+    for mode, every in (("full", 1), ("mlp", 1), ("full", 2), ("selective", 1)):
         got = _run(recipe_name, quantized_init, mode, every)
         assert got[0] == ref[0] and got[1] == ref[1], (mode, every, got[:2], ref[:2])
         assert got[2].keys() == ref[2].keys()

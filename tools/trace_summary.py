@@ -1,0 +1,230 @@
+"""Where the device time of profiled steps goes, from a torch.profiler Chrome trace.
+
+    python train.py model=llama3_1b data.seq_len=8192 train.profile_steps=[10]
+    python tools/trace_summary.py runs/<name>/profile/rank0_steps10-10.json --steps 1
+
+Prints, per step: the window from the first kernel's start to the last one's end; each CUDA
+stream's busy time (union of its kernels) and the compute stream's idle time inside the window
+(the time the step waits on the host or on communication); the kernel time by kind (GEMM,
+attention, NCCL, FP8 quantization, TE elementwise, compiled, copies and casts, optimizer and
+foreach, other), on the compute stream and on all streams; how much of the compute stream's
+busy time runs while an NCCL kernel runs (kernels sharing the SMs with communication); and the
+kernels with the most time, each with the operators that launched most of it (outermost <
+innermost; the share when other operators launch the same kernel too).
+
+The compute stream is the stream with the most non-NCCL kernel time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+
+#: (kind, pattern on the kernel name), first match wins.
+KINDS = [
+    ("nccl", re.compile(r"^nccl", re.I)),
+    ("attention", re.compile(r"sdpa|flash|fmha|fused_attn|attn", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.I)),
+    ("fp8 quantize", re.compile(r"quantize|cast_transpose|amax|compute_scale|fp8", re.I)),
+    ("optimizer/foreach", re.compile(r"adam|multi_tensor", re.I)),
+    ("te elementwise", re.compile(r"transformer_engine|rmsnorm|rope|gated_act", re.I)),
+    ("compiled", re.compile(r"^triton", re.I)),
+    ("copy/cast", re.compile(r"copy|cat|split|memcpy|memset|fill|transpose|convert", re.I)),
+]
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Total length (ms) of a union of (start_us, end_us) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def overlap_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length (ms) of the intersection of two interval unions."""
+
+    def merged(xs):
+        out = []
+        for s, e in sorted(xs):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+
+    a, b = merged(a), merged(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total / 1e3
+
+
+def launch_paths(events: list[dict]) -> dict[int, str]:
+    """correlation id -> 'outer op < inner op' of the CPU operators around the launch call
+    (one sweep per thread over operators and launch calls in time order)."""
+    per_tid: dict = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op":
+            per_tid[e.get("tid")].append((e["ts"], 0, e["ts"] + e.get("dur", 0), e["name"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                per_tid[e.get("tid")].append((e["ts"], 1, corr, None))
+    paths = {}
+    for items in per_tid.values():
+        stack: list[tuple[float, str]] = []  # (end, name) of the operators open at this time
+        for ts, is_launch, value, name in sorted(items, key=lambda i: (i[0], i[1])):
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            if not is_launch:
+                stack.append((value, name))
+            elif stack:
+                outer, inner = stack[0][1], stack[-1][1]
+                paths[value] = outer if outer == inner else f"{outer} < {inner}"
+    return paths
+
+
+def _main_path(by_path: dict[str, float]) -> str:
+    """The launching path with the most of a kernel's time, and its share when others exist."""
+    path, us = max(by_path.items(), key=lambda kv: kv[1])
+    share = us / sum(by_path.values())
+    return path if share > 0.999 else f"{path} ({share:.0%}; {len(by_path) - 1} other paths)"
+
+
+def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and e.get("dur", 0) > 0
+    ]
+    if not kernels:
+        raise ValueError("no device kernels in this trace (a CPU run, or CUDA was not profiled)")
+    by_stream: dict = defaultdict(list)
+    for k in kernels:
+        by_stream[k.get("args", {}).get("stream", k.get("tid"))].append(k)
+    non_nccl = {
+        s: sum(k["dur"] for k in ks if kind_of(k["name"]) != "nccl") for s, ks in by_stream.items()
+    }
+    compute = max(non_nccl, key=non_nccl.get)
+    start = min(k["ts"] for k in kernels)
+    end = max(k["ts"] + k["dur"] for k in kernels)
+    window = (end - start) / 1e3
+    spans = {s: [(k["ts"], k["ts"] + k["dur"]) for k in ks] for s, ks in by_stream.items()}
+    nccl = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if kind_of(k["name"]) == "nccl"]
+    kinds_all: dict = defaultdict(float)
+    kinds_compute: dict = defaultdict(float)
+    paths = launch_paths(events)
+    per_name: dict = defaultdict(lambda: [0.0, 0, defaultdict(float)])
+    for k in kernels:
+        kind = kind_of(k["name"])
+        kinds_all[kind] += k["dur"] / 1e3
+        if k.get("args", {}).get("stream", k.get("tid")) == compute:
+            kinds_compute[kind] += k["dur"] / 1e3
+        row = per_name[k["name"]]
+        row[0] += k["dur"] / 1e3
+        row[1] += 1
+        row[2][paths.get(k.get("args", {}).get("correlation"), "?")] += k["dur"]
+    tops = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    busy = union_ms(spans[compute])
+    return {
+        "steps": steps,
+        "window_ms": window / steps,
+        "compute_stream": compute,
+        "compute_busy_ms": busy / steps,
+        "compute_idle_ms": (window - busy) / steps,
+        "compute_with_nccl_ms": overlap_ms(spans[compute], nccl) / steps,
+        "streams": {
+            str(s): {"busy_ms": union_ms(v) / steps, "kernels": len(v) / steps}
+            for s, v in spans.items()
+        },
+        "kinds_compute_ms": {k: v / steps for k, v in kinds_compute.items()},
+        "kinds_all_ms": {k: v / steps for k, v in kinds_all.items()},
+        "top": [
+            {
+                "name": name,
+                "kind": kind_of(name),
+                "ms": ms / steps,
+                "calls": calls / steps,
+                "launched_by": _main_path(by_path),
+            }
+            for name, (ms, calls, by_path) in tops
+        ],
+    }
+
+
+def render(s: dict) -> str:
+    lines = [
+        f"per step ({s['steps']} profiled): window {s['window_ms']:.1f} ms; compute stream "
+        f"{s['compute_stream']} busy {s['compute_busy_ms']:.1f} ms, idle "
+        f"{s['compute_idle_ms']:.1f} ms, of its busy time {s['compute_with_nccl_ms']:.1f} ms "
+        "runs beside NCCL kernels",
+        "streams: "
+        + "; ".join(
+            f"{k}: {v['busy_ms']:.1f} ms busy, {v['kernels']:.0f} kernels"
+            for k, v in sorted(s["streams"].items(), key=lambda kv: -kv[1]["busy_ms"])
+        ),
+        "",
+        "| kind | compute stream ms | all streams ms |",
+        "| --- | --- | --- |",
+    ]
+    for kind in sorted(s["kinds_all_ms"], key=lambda k: -s["kinds_all_ms"][k]):
+        lines.append(
+            f"| {kind} | {s['kinds_compute_ms'].get(kind, 0.0):.1f} | "
+            f"{s['kinds_all_ms'][kind]:.1f} |"
+        )
+    lines += ["", "| kernel | kind | ms | calls | launched by |", "| --- | --- | --- | --- | --- |"]
+    for t in s["top"]:
+        lines.append(
+            f"| {t['name'][:80]} | {t['kind']} | {t['ms']:.2f} | {t['calls']:.0f} | "
+            f"{t['launched_by'][:90]} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("trace", help="a Chrome trace written by train.profile_steps")
+    p.add_argument("--steps", type=int, default=1, help="steps the trace covers (per-step figures)")
+    p.add_argument("--top", type=int, default=15, help="kernels listed")
+    p.add_argument("--json", help="also write the figures to this file")
+    args = p.parse_args(argv)
+    with open(args.trace) as f:
+        try:
+            summary = summarize(json.load(f), args.steps, args.top)
+        except ValueError as e:
+            raise SystemExit(f"error: {args.trace}: {e}") from None
+    print(render(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
