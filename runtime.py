@@ -105,14 +105,25 @@ def host_id() -> str:
     return f"{socket.gethostname()}/pidns:{ns}"
 
 
+def host_name(host: str) -> str:
+    """The host name part of a `host_id()` value, for messages."""
+    return str(host).split("/")[0]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (Linux), else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start(pid: int) -> str | None:
     """The start time of process `pid` in clock ticks since boot (Linux), else None: with the
     pid it names one process, whose pid the system may later give to another."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = _stat_fields(pid)
+    return fields[19] if fields and len(fields) > 19 else None
 
 
 def pid_alive(pid: int) -> bool:
@@ -124,8 +135,5 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = _stat_fields(pid)
+    return not fields or fields[0] != "Z"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from errors import ConfigError
-from runtime import host_id, pid_alive, process_start
+from runtime import host_id, host_name, pid_alive, process_start
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0
@@ -42,7 +42,7 @@ _HELD: dict[Path, RunLock] = {}
 def _describe(info: dict[str, Any]) -> str:
     started = info.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
-    return f"host {str(info.get('host', '?')).split('/')[0]}, pid {info.get('pid', '?')}, started {when}"
+    return f"host {host_name(info.get('host', '?'))}, pid {info.get('pid', '?')}, started {when}"
 
 
 def _read(path: Path) -> tuple[dict | None, float | None]:

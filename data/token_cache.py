@@ -51,7 +51,7 @@ from data.config import DataConfig
 from data.packing import PACKING_VERSION, stream_key, token_chunks, tokenize_dataset
 from data.tokenizer import one_line, token_dtype
 from errors import ConfigError
-from runtime import host_id, pid_alive
+from runtime import host_id, host_name, pid_alive
 
 FORMAT = "te-llama-tokens-v1"
 SUBDIR = "te-llama-tokens"
@@ -215,7 +215,7 @@ class _Holder:
             return None, "", None
         try:
             info = json.loads(content)
-            who = f"pid {info['pid']} on {info['host'].split('/')[0]} since {info['since']}"
+            who = f"pid {info['pid']} on {host_name(info['host'])} since {info['since']}"
         except (ValueError, KeyError, TypeError, AttributeError):
             info, who = None, "a process that has not written its name yet"
         if info and info.get("host") == host_id() and not pid_alive(int(info["pid"])):

@@ -67,6 +67,12 @@ def parse_case(text: str) -> dict:
         ) from None
 
 
+def profiled_steps(args) -> list[int]:
+    """--profile-steps "10-11" (or "10") as the list of steps."""
+    first, _, last = args.profile_steps.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
 def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
     out = [
         f"model={case['model']}",
@@ -90,9 +96,7 @@ def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
     if case["layout"] in ("tp", "fsdp_tp", "hsdp_tp"):
         out.append(f"parallel.tp={min(nproc, 2)}")
     if args.profile_steps:
-        first, _, last = args.profile_steps.partition("-")
-        steps = list(range(int(first), int(last or first) + 1))
-        out.append(f"train.profile_steps=[{','.join(map(str, steps))}]")
+        out.append(f"train.profile_steps=[{','.join(map(str, profiled_steps(args)))}]")
     return out + list(args.overrides)
 
 
@@ -131,10 +135,9 @@ def run_case(case: dict, args, run_root: str) -> dict:
         dest = Path(args.json).with_name(f"profile_{label}case{case['index']}_{prof.name}")
         shutil.copy(prof, dest)
         trace = prof.with_suffix(".json")
-        first, _, last = args.profile_steps.partition("-")
         try:  # where the step's device time goes (none on a CPU run)
             with open(trace) as f:
-                summary = trace_summary.summarize(json.load(f), int(last or first) - int(first) + 1)
+                summary = trace_summary.summarize(json.load(f), len(profiled_steps(args)))
         except (OSError, ValueError):
             continue
         dest.with_suffix(".summary.md").write_text(trace_summary.render(summary) + "\n")

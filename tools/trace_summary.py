@@ -44,37 +44,29 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """A union of (start_us, end_us) intervals as sorted, disjoint [start, end] pairs."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Total length (ms) of a union of (start_us, end_us) intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total / 1e3
+    return sum(end - start for start, end in _merged(intervals)) / 1e3
 
 
 def overlap_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Length (ms) of the intersection of two interval unions."""
-
-    def merged(xs):
-        out = []
-        for s, e in sorted(xs):
-            if out and s <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], e)
-            else:
-                out.append([s, e])
-        return out
-
-    a, b = merged(a), merged(b)
+    a, b = _merged(a), _merged(b)
     i = j = 0
     total = 0.0
     while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
         if a[i][1] < b[j][1]:
             i += 1
         else:
@@ -118,33 +110,34 @@ def _main_path(by_path: dict[str, float]) -> str:
 
 def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    # (event, kind, stream) of every device activity
     kernels = [
-        e
+        (e, kind_of(e["name"]), e.get("args", {}).get("stream", e.get("tid")))
         for e in events
         if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and e.get("dur", 0) > 0
     ]
     if not kernels:
         raise ValueError("no device kernels in this trace (a CPU run, or CUDA was not profiled)")
-    by_stream: dict = defaultdict(list)
-    for k in kernels:
-        by_stream[k.get("args", {}).get("stream", k.get("tid"))].append(k)
-    non_nccl = {
-        s: sum(k["dur"] for k in ks if kind_of(k["name"]) != "nccl") for s, ks in by_stream.items()
-    }
-    compute = max(non_nccl, key=non_nccl.get)
-    start = min(k["ts"] for k in kernels)
-    end = max(k["ts"] + k["dur"] for k in kernels)
-    window = (end - start) / 1e3
-    spans = {s: [(k["ts"], k["ts"] + k["dur"]) for k in ks] for s, ks in by_stream.items()}
-    nccl = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if kind_of(k["name"]) == "nccl"]
+    spans: dict = defaultdict(list)
+    non_nccl: dict = defaultdict(float)
+    nccl = []
+    for k, kind, stream in kernels:
+        span = (k["ts"], k["ts"] + k["dur"])
+        spans[stream].append(span)
+        if kind == "nccl":
+            nccl.append(span)
+        else:
+            non_nccl[stream] += k["dur"]
+    compute = max(spans, key=lambda stream: non_nccl[stream])
+    every = [span for stream_spans in spans.values() for span in stream_spans]
+    window = (max(end for _, end in every) - min(start for start, _ in every)) / 1e3
+    paths = launch_paths(events)
     kinds_all: dict = defaultdict(float)
     kinds_compute: dict = defaultdict(float)
-    paths = launch_paths(events)
     per_name: dict = defaultdict(lambda: [0.0, 0, defaultdict(float)])
-    for k in kernels:
-        kind = kind_of(k["name"])
+    for k, kind, stream in kernels:
         kinds_all[kind] += k["dur"] / 1e3
-        if k.get("args", {}).get("stream", k.get("tid")) == compute:
+        if stream == compute:
             kinds_compute[kind] += k["dur"] / 1e3
         row = per_name[k["name"]]
         row[0] += k["dur"] / 1e3
