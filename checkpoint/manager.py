@@ -617,6 +617,7 @@ class CheckpointManager:
                 commit_s=commit,
                 bytes=out["bytes"],
                 checkpoint_bytes=size,
+                **out["times"],
             )
         else:
             index = self._free_index()
@@ -813,6 +814,7 @@ class CheckpointManager:
             **({"commit_s": out["commit_s"]} if "commit_s" in out else {}),
             bytes=pending.bytes,
             checkpoint_bytes=out.get("checkpoint_bytes", 0),
+            **out["times"],
         )
 
     def _poll(self) -> None:
@@ -881,7 +883,8 @@ class CheckpointManager:
         blocking time, though the device was busy anyway),
         save_wait_prev_s (waiting for a free buffer), save_queue_s (staged to write start), save_write_s (the DCP save), save_commit_s
         (rank 0: manifest, rename; old checkpoints are pruned on another thread), save_bytes
-        (this rank's bytes),
+        (this rank's bytes), save_file_s / save_write_calls_s / save_hash_s / save_fsync_s
+        (this rank's file writing, summed over its files: checkpoint/writer.py),
         save_checkpoint_bytes (rank 0: the whole checkpoint). Empty when none completed."""
         self._poll()
         done, self._completed = self._completed, []

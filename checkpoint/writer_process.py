@@ -73,13 +73,8 @@ def _main(conn, rank: int, world_size: int, rendezvous) -> None:
             pass  # the trainer is gone
         return
 
-    import torch
-
     from checkpoint.staging import make_views, materialize
     from checkpoint.writer import write_checkpoint
-
-    # torch.save's own zip CRC32 repeats what the writer hashes already; this process is ours.
-    torch.serialization.set_crc32_options(False)
 
     buffers: list = []
     version = -1

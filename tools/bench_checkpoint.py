@@ -10,7 +10,10 @@ device-to-host and disk ceilings measured in the same run.
 First the ceilings: pinned device-to-host copy (one large copy per rank, all ranks at once;
 on CPU a host memcpy instead) and the disk (every rank writes --disk-gb / ranks of data to the
 benchmark directory in 16 MiB writes and fsyncs, once with one stream per rank and once with
-checkpoint.write_threads streams per rank; the faster is the ceiling). Then, for each mode,
+checkpoint.write_threads streams per rank; the faster counts). The disk is measured before
+every mode and after the last, and a mode's disk ceiling is the mean of the measurements just
+before and just after it (virtual disks drift by a quarter within minutes: one measurement
+taken minutes away says little). Then, for each mode,
 train.py's `run()` in this process (`--steps` steps, a save every `--interval`, the final save
 included, checkpoint.keep_last=1) and the per-save records the checkpoint manager writes to
 <run_dir>/checkpoint_saves.jsonl (rank 0). Prints each save, then the summary table last:
@@ -210,6 +213,17 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _files(s: dict) -> str:
+    from checkpoint.writer import WRITE_TIMES  # file_s, write_calls_s, hash_s, fsync_s
+
+    parts = [s.get(f"save_{k}") for k in WRITE_TIMES]
+    if None in parts:
+        return "-"
+    total, calls, hashed, fsync = parts
+    rest = total - calls - hashed - fsync
+    return f"{total:.2f} ({calls:.2f}; {hashed:.2f}; {fsync:.2f}; {rest:.2f})"
+
+
 def _own_blocking(s: dict) -> float:
     """What a save blocked the loop for, less the wait for the device to finish the step that
     was already queued (the device was busy with it anyway)."""
@@ -254,6 +268,8 @@ def summarize(result: dict, steps: int) -> dict:
         "skipped": result["skipped"],
         "step_s": result["step_s"],
         "status": result["status"],
+        "disk_gbps": result.get("disk"),
+        "disk_around": result.get("disk_around"),
     }
 
 
@@ -291,18 +307,27 @@ def main(argv: list[str]) -> int:
     what, d2h = d2h_ceiling(int(args.d2h_gb * 1e9))
     d2h = min(d2h, -_max_over_ranks(-d2h))  # the slowest rank
     disk_total = int(args.disk_gb * 1e9)
-    disk_1 = disk_ceiling(root / "disk-probe", disk_total, 1, rank, world)
-    disk_n = disk_ceiling(root / "disk-probe", disk_total, threads, rank, world)
-    disk = max(disk_1, disk_n)
-    if rank == 0:
-        print(
-            f"ceilings: {what} {d2h:.2f} GB/s per rank; disk (write + fsync of "
-            f"{args.disk_gb:g} GB in {root}) {disk_1:.2f} GB/s with 1 stream per rank, "
-            f"{disk_n:.2f} GB/s with {threads} per rank",
-            flush=True,
-        )
 
-    results = [run_mode(m, args, overrides, root) for m in args.modes]
+    def measure_disk(when: str) -> float:
+        one = disk_ceiling(root / "disk-probe", disk_total, 1, rank, world)
+        many = disk_ceiling(root / "disk-probe", disk_total, threads, rank, world)
+        if rank == 0:
+            print(
+                f"disk {when} (write + fsync of {args.disk_gb:g} GB in {root}): "
+                f"{one:.2f} GB/s with 1 stream per rank, {many:.2f} GB/s with {threads} per rank",
+                flush=True,
+            )
+        return max(one, many)
+
+    if rank == 0:
+        print(f"ceiling: {what} {d2h:.2f} GB/s per rank", flush=True)
+    results = []
+    disks = [measure_disk(f"before {args.modes[0]}")]
+    for i, m in enumerate(args.modes):
+        results.append(run_mode(m, args, overrides, root))
+        after = args.modes[i + 1] if i + 1 < len(args.modes) else None
+        disks.append(measure_disk(f"after {m}" + (f", before {after}" if after else "")))
+        results[-1].update(disk_around=disks[-2:], disk=statistics.mean(disks[-2:]))
     if rank != 0:
         return 0
     rows = [summarize(r, args.steps) for r in results]
@@ -310,7 +335,9 @@ def main(argv: list[str]) -> int:
     print(
         "\nper save (rank 0): mode | step | blocked s (of it: device finishing the queued step; "
         "waiting for a free buffer; state_dict() calls; buffer allocation; the copy) | "
-        "queued s | writer start wait s | write s | commit s | total s"
+        "queued s | writer start wait s | write s | commit s | total s | rank 0's files, "
+        "summed over its writer threads: s (in write calls; hashing; fsync; the rest: Python, "
+        "torch.save, GIL waits)"
     )
     for r in results:
         for s in r["saves"]:
@@ -323,7 +350,7 @@ def main(argv: list[str]) -> int:
                 f"{_f(s.get('save_queue_s'), '{:.3f}')} | "
                 f"{_f(s.get('save_start_wait_s'), '{:.3f}')} | "
                 f"{s['save_write_s']:.3f} | {_f(s.get('save_commit_s'), '{:.3f}')} | "
-                f"{s['save_total_s']:.3f}"
+                f"{s['save_total_s']:.3f} | {_files(s)}"
             )
 
     sync = next((r for r in rows if r["mode"] == "sync"), None)
@@ -335,6 +362,7 @@ def main(argv: list[str]) -> int:
         if sync and sync["blocked_mean"]:
             ratio = r["blocked_mean"] / sync["blocked_mean"]
             checks.append(f"<= 5% of sync: {ratio:.1%} {ratio <= 0.05}")
+        disk = r["disk_gbps"]
         if r["bytes"] and r["own_mean"]:
             bound = 1.25 * r["bytes"] / 1e9 / disk
             checks.append(
@@ -347,13 +375,14 @@ def main(argv: list[str]) -> int:
         print(f"  {r['mode']}: " + "; ".join(checks))
 
     header = (
-        "| mode | ranks | saves (deferred/skipped) | GiB/save | staging GB/s/rank | write GB/s "
-        "| blocked/save s (first; mean rest; final) | device drain s | total/save s | queued s "
-        "| total-queued s | step s |"
+        "| mode | ranks | saves (deferred/skipped) | GiB/save | staging GB/s/rank "
+        "| disk GB/s (before; after) | write GB/s | blocked/save s (first; mean rest; final) "
+        "| device drain s | total/save s | queued s | total-queued s | step s |"
     )
     print(
-        f"\nceilings: {what} {d2h:.2f} GB/s/rank; disk {disk:.2f} GB/s "
-        f"(1 stream/rank {disk_1:.2f}, {threads}/rank {disk_n:.2f})\n"
+        f"\nceilings: {what} {d2h:.2f} GB/s/rank; disk per mode in the table: the mean of "
+        f"the measurements just before and after it (each the faster of 1 and {threads} "
+        "streams per rank)\n"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -361,6 +390,7 @@ def main(argv: list[str]) -> int:
         print(
             f"| {r['mode']} | {world} | {r['saves']} ({r['deferred']}/{r['skipped']}) | "
             f"{_f(r['bytes'] and r['bytes'] / 2**30, '{:.2f}')} | {_f(r['stage_gbps'])} | "
+            f"{_f(r['disk_gbps'])} ({_f(r['disk_around'][0])}; {_f(r['disk_around'][1])}) | "
             f"{_f(r['write_gbps'])} | {_f(r['blocked_first'], '{:.3f}')}; "
             f"{_f(r['blocked_mean'], '{:.3f}')}; {_f(r['blocked_final'], '{:.3f}')} | "
             f"{_f(r['drain_mean'], '{:.3f}')} | {_f(r['total_mean'])} | "
@@ -374,9 +404,7 @@ def main(argv: list[str]) -> int:
                     {
                         "ranks": world,
                         "d2h_gbps": d2h,
-                        "disk_gbps": disk,
-                        "disk_1_gbps": disk_1,
-                        "disk_n_gbps": disk_n,
+                        "disk_gbps_measured": disks,
                         "overrides": overrides,
                         "rows": rows,
                         "saves": {r["mode"]: r["saves"] for r in results},
