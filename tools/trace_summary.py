@@ -134,12 +134,12 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
     paths = launch_paths(events)
     kinds_all: dict = defaultdict(float)
     kinds_compute: dict = defaultdict(float)
-    per_name: dict = defaultdict(lambda: [0.0, 0, defaultdict(float)])
+    per_name: dict = {}  # name -> [ms, calls, {launch path: us}, kind]
     for k, kind, stream in kernels:
         kinds_all[kind] += k["dur"] / 1e3
         if stream == compute:
             kinds_compute[kind] += k["dur"] / 1e3
-        row = per_name[k["name"]]
+        row = per_name.setdefault(k["name"], [0.0, 0, defaultdict(float), kind])
         row[0] += k["dur"] / 1e3
         row[1] += 1
         row[2][paths.get(k.get("args", {}).get("correlation"), "?")] += k["dur"]
@@ -161,12 +161,12 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
         "top": [
             {
                 "name": name,
-                "kind": kind_of(name),
+                "kind": kind,
                 "ms": ms / steps,
                 "calls": calls / steps,
                 "launched_by": _main_path(by_path),
             }
-            for name, (ms, calls, by_path) in tops
+            for name, (ms, calls, by_path, kind) in tops
         ],
     }
 
