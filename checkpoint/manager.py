@@ -12,9 +12,10 @@ Modes (checkpoint/writer.py writes the files in every mode: `write_threads` file
 parallel, each hashed while written):
 - `sync`: the loop runs the DCP save itself.
 - `async`: the loop waits only while the state is copied into a CPU staging buffer
-  (checkpoint/staging.py: allocated once, pinned with CUDA; planned and allocated in the
-  background at the first step, so the first save finds it ready); a thread of this process
-  runs the DCP save from the copy.
+  (checkpoint/staging.py: allocated once, pinned with CUDA, in /dev/shm when it has room;
+  planned and allocated in the background at the first step, so the first save finds it
+  ready); a thread of this process runs the DCP save from the copy, with the GIL switch
+  interval shortened meanwhile.
 - `async_process`: the same copy, into shared memory, written by a writer process of this
   rank (checkpoint/writer_process.py) started with the manager; works in a world of one.
 DCP's collectives run on a gloo group of the manager's own (`_pg`), so a background write
@@ -59,10 +60,12 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import secrets
 import shutil
+import sys
 import time
 import warnings
 from collections import deque
@@ -104,6 +107,10 @@ SHAPE_FIELDS = (
 #: Log file of every save (rank 0): one JSON record per save, skip and deferral.
 SAVES_LOG = "checkpoint_saves.jsonl"
 _NO_BAD_STEP = 2**62
+#: CPython's GIL switch interval while an `async` save is written by threads of the training
+#: process. A writer thread takes the GIL back after each hash or write call; while the
+#: training thread runs Python it gets it only when the interval (5 ms by default) runs out.
+_WRITE_SWITCH_INTERVAL_S = 5e-4
 #: What a failed DCP call raises (CheckpointException derives from BaseException).
 _ERRORS = (Exception, CheckpointException)
 
@@ -282,7 +289,12 @@ class CheckpointManager:
             self._stager = staging.Stager(
                 buffers=cfg.staging_buffers,
                 shared=process,
+                prefer_shared=True,
                 log=self._log,
+                # the /dev/shm fallback is decided per rank: every rank that falls back says so
+                warn=self._log
+                if rank == 0
+                else (lambda msg: print(f"checkpoint: rank {rank}: {msg}", flush=True)),
                 on_allocate=self._buffers_allocated,
                 before_reallocate=self._wait_all,
             )
@@ -687,7 +699,8 @@ class CheckpointManager:
                     }
                 )
             else:
-                out = self._write_here(self._stager.state_dict(staged), tmp, save_id)
+                with _switch_interval(_WRITE_SWITCH_INTERVAL_S):
+                    out = self._write_here(self._stager.state_dict(staged), tmp, save_id)
         except BaseException:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing committed; give the space back
@@ -930,3 +943,14 @@ def _state_bytes(state: Mapping[str, Any]) -> int:
             if isinstance(v, torch.Tensor)
         ]
     return sum(tensor_bytes(getattr(t, "_local_tensor", t)) for t in tensors)
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: float):
+    """The GIL switch interval at most `seconds` for the block (process-wide), then restored."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)

@@ -12,9 +12,11 @@ DCP readers and tools load the result. What changes:
   file hash above covers the same bytes); it cost a pass over the data at about 3 GB/s;
 - a plain tensor's zip framing (the bytes torch.save writes before and after its data) is
   recorded from its first torch.save and reused for every later tensor of the same dtype and
-  shape (`_Framing`): a tensor then costs a few calls instead of the ~40 Python callbacks of
-  torch.save's zip writer, each of which takes the GIL back from the training thread in
-  `async` mode; small writes are gathered into one system call;
+  shape (`_Framing`): a tensor then costs one hash call instead of the ~40 Python callbacks
+  of torch.save's zip writer, and its data goes out with others' in one os.writev of up to
+  256 MiB (small writes are copied and gathered). Each call that releases the GIL has to take
+  it back from the training thread in `async` mode, which can take a switch interval
+  (checkpoint/manager.py shortens it while such a write runs);
 - short writes are retried, and the first OSError (e.g. ENOSPC) is kept and raised as is once
   torch.save returns (later writes of that file are dropped so torch's zip writer can finish
   its bookkeeping instead of reporting "unexpected pos");
@@ -49,18 +51,20 @@ from torch.futures import Future
 from checkpoint import hashing, store
 from checkpoint.planners import BlockSavePlanner
 
-#: Bytes hashed and written per system call. Large, because a writer thread takes the GIL
-#: back after every hash and write call, and in `async` mode the training thread holds the GIL
-#: while its kernel launches block on a full launch queue: each take-back can wait milliseconds.
+#: Most bytes and buffers per write system call (os.writev). Each hash and write call releases
+#: the GIL and takes it back after; in `async` mode the training thread holds it between its
+#: own releases, so every take-back can wait up to the switch interval. Fewer, larger calls
+#: keep those waits rare.
 _CHUNK = 1 << 28
-#: Writes smaller than this are gathered and written with the next large one (or at the end).
+_MAX_BUFFERS = 512
+#: Writes smaller than this are copied and gathered; they go out with the next batch.
 _SMALL = 1 << 20
 #: Tensors with fewer bytes than this are written by torch.save directly (no framing reuse).
 _FRAMED_MIN = 1 << 12
 #: The per-rank timings a save reports (CheckpointWriter.times).
 WRITE_TIMES = ("file_s", "write_calls_s", "hash_s", "fsync_s")
-#: The write system call (tests replace it to simulate a full disk).
-_os_write = os.write
+#: The write system call (tests replace it to simulate short writes and a full disk).
+_os_writev = os.writev
 
 
 @dataclasses.dataclass
@@ -72,9 +76,12 @@ class _HashedStorageInfo(_StorageInfo):
 
 
 class _HashingFile:
-    """Write-only file for torch.save: bytes go to `fd` (short writes retried) and through the
-    hasher; writes under _SMALL bytes wait in a buffer until a large write or `drain()`. The
-    first OSError is kept and later writes are dropped; `check()` raises it."""
+    """Write-only file for torch.save: bytes go through the hasher and to `fd`, batched into
+    few os.writev calls (short writes retried). `write` copies writes under _SMALL bytes into a
+    gathering buffer and writes larger ones (with everything before them) at once, since their
+    memory is the caller's only for the call; `write_owned` queues a view without copying, for
+    memory that stays unchanged until `drain()` (a staged tensor's data). The first OSError is
+    kept and later writes are dropped; `check()` raises it."""
 
     def __init__(self, fd: int, hasher):
         self.fd = fd
@@ -82,6 +89,8 @@ class _HashingFile:
         self.pos = 0
         self.error: OSError | None = None
         self._pending = bytearray()
+        self._batch: list[memoryview] = []
+        self._batch_bytes = 0
         self.write_calls_s = 0.0  # time inside write system calls
         self.hash_s = 0.0  # time inside the hasher
 
@@ -91,36 +100,57 @@ class _HashingFile:
         if n < _SMALL:
             self._pending += view
             if len(self._pending) >= _SMALL:
-                self.drain()
+                self._gather()
         else:
-            self.drain()
-            self._put(view)
+            self._queue(view)
+            self._flush()
         self.pos += n
         return n
 
-    def drain(self) -> None:
-        """Write the gathered small writes."""
-        if self._pending:
-            pending, self._pending = self._pending, bytearray()
-            self._put(memoryview(pending))
+    def write_owned(self, view: memoryview) -> None:
+        self._queue(view)
+        self.pos += len(view)
+        if self._batch_bytes >= _CHUNK or len(self._batch) >= _MAX_BUFFERS:
+            self._flush()
 
-    def _put(self, view: memoryview) -> None:
-        if self.error is not None:
+    def drain(self) -> None:
+        """Write everything queued."""
+        self._gather()
+        self._flush()
+
+    def _gather(self) -> None:
+        if self._pending:
+            self._batch.append(memoryview(self._pending))
+            self._batch_bytes += len(self._pending)
+            self._pending = bytearray()
+
+    def _queue(self, view: memoryview) -> None:
+        self._gather()  # the gathered small writes come first
+        self._batch.append(view)
+        self._batch_bytes += len(view)
+
+    def _flush(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        if self.error is not None or not batch:
             return
         try:
-            for i in range(0, len(view), _CHUNK):
-                piece = view[i : i + _CHUNK]
-                t0 = time.perf_counter()
-                if self.hasher is not None:
+            t0 = time.perf_counter()
+            if self.hasher is not None:
+                for piece in batch:
                     self.hasher.update(piece)
-                t1 = time.perf_counter()
-                while len(piece):
-                    written = _os_write(self.fd, piece)
-                    if written <= 0:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    piece = piece[written:]
-                self.hash_s += t1 - t0
-                self.write_calls_s += time.perf_counter() - t1
+            t1 = time.perf_counter()
+            self.hash_s += t1 - t0
+            i = 0
+            while i < len(batch):
+                written = _os_writev(self.fd, batch[i : i + _MAX_BUFFERS])
+                if written <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                while i < len(batch) and written >= len(batch[i]):
+                    written -= len(batch[i])
+                    i += 1
+                if written:  # a short write ended inside batch[i]
+                    batch[i] = batch[i][written:]
+            self.write_calls_s += time.perf_counter() - t1
         except OSError as e:
             self.error = e
 
@@ -202,7 +232,7 @@ class _Framing:
         known = self._known.get(key) if key is not None else None
         if known is not None:
             f.write(known[0])
-            f.write(memoryview(_raw(t)))
+            f.write_owned(memoryview(_raw(t)))
             f.write(known[1])
         elif key is None:
             torch.save(t, f)

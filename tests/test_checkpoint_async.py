@@ -67,6 +67,33 @@ def test_staging_buffers_allocated_before_the_first_save_and_reused(tmp_path, st
         assert r["save_total_s"] >= r["save_blocking_s"] >= r["save_stage_s"]
 
 
+@pytest.mark.parametrize("room", [True, False])
+def test_async_stages_in_shared_memory_when_dev_shm_has_room(tmp_path, monkeypatch, straight, room):
+    """`async` puts its staging buffers in /dev/shm when they fit with a tenth to spare, else
+    in private memory with a line saying so; the saves resume bitwise either way."""
+    from checkpoint import staging
+
+    monkeypatch.setattr(staging, "shared_memory_free", lambda: 1 << 40 if room else 1 << 20)
+    run = Run(tmp_path, mode="async", interval=2)
+    seen = []
+
+    def on_step(step):
+        if step == 3:  # the buffers are freed when the run finishes
+            stager = run.ckpt._stager
+            seen.append(stager.in_shared)
+            seen.extend(b.untyped_storage().is_shared() for b in stager.buffers)
+
+    start, first = run.train(4, on_step=on_step)
+    assert seen == [room] * 3
+    fallback = [m for m in run.messages if "does not fit in /dev/shm" in m]
+    assert len(fallback) == (0 if room else 1), run.messages
+    allocated = [m for m in run.messages if m.startswith("staging: 2 buffer(s)")]
+    assert len(allocated) == 1 and (", shared)" in allocated[0]) is room, allocated
+    assert start == 0 and first == straight[:4]
+    start, rest = Run(tmp_path, mode="async", interval=2).train(8)
+    assert start == 4 and rest == straight[4:8]  # bitwise
+
+
 def test_stats_report_staging_write_and_bytes(tmp_path):
     run = Run(tmp_path, mode="async", interval=2)
     run.train(2, finish=False)
@@ -200,8 +227,7 @@ def test_files_are_hashed_while_written_and_readable_by_stock_dcp(tmp_path, monk
         return original_hash_file(path, algorithm)
 
     monkeypatch.setattr(hashing, "hash_file", no_reread_of_data)
-    original_write = writer._os_write
-    monkeypatch.setattr(writer, "_os_write", lambda fd, data: original_write(fd, data[:4097]))
+    monkeypatch.setattr(writer, "_os_writev", _short_writev(4097))
     run = Run(tmp_path, mode="sync", interval=2, write_threads=3)
     run.train(2)
     monkeypatch.undo()
@@ -220,29 +246,51 @@ def test_files_are_hashed_while_written_and_readable_by_stock_dcp(tmp_path, monk
         assert torch.equal(full["model"][name], p.detach()), name
 
 
-def test_reused_framing_writes_torch_saves_bytes_in_few_system_calls(tmp_path, monkeypatch):
+def _short_writev(limit: int, calls: list[int] | None = None):
+    """os.writev that writes at most `limit` bytes per call (a short write, possibly ending
+    inside a buffer), counting its calls in calls[0]."""
+    import os
+
+    def writev(fd, buffers):
+        if calls is not None:
+            calls[0] += 1
+        take, left = [], limit
+        for b in buffers:
+            if left <= 0:
+                break
+            take.append(memoryview(b)[:left])
+            left -= len(take[-1])
+        return os.writev(fd, take)
+
+    return writev
+
+
+@pytest.mark.parametrize(
+    "chunk, max_buffers, short", [(None, None, None), (1 << 16, 3, None), (1 << 16, 5, 70_001)]
+)
+def test_reused_framing_writes_torch_saves_bytes_in_few_system_calls(
+    tmp_path, monkeypatch, chunk, max_buffers, short
+):
     """A tensor whose dtype and shape were written before is written as recorded zip framing
-    around its data: the bytes must be torch.save's own, and a tensor costs at most two write
-    calls (torch.save alone makes about forty, each a GIL round trip in a writer thread)."""
+    around its data, and the data of many tensors goes out in one os.writev (at most _CHUNK
+    bytes and _MAX_BUFFERS buffers a call, short writes retried): the file's bytes must be
+    torch.save's own for every tensor, and the hash must match the file."""
     import io
     import os
 
     import checkpoint.writer as writer
 
     torch.serialization.set_crc32_options(False)  # as write_checkpoint does
+    if chunk is not None:
+        monkeypatch.setattr(writer, "_CHUNK", chunk)
+        monkeypatch.setattr(writer, "_MAX_BUFFERS", max_buffers)
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(200, 37, generator=gen) for _ in range(20)]
     tensors += [torch.randn(64, 64, generator=gen).bfloat16() for _ in range(5)]
     tensors += [torch.arange(4096) * k for k in range(5)]
     tensors += [torch.randn(3, generator=gen), torch.randn(300, 37, generator=gen)[:, :5]]
     calls = [0]
-    original = writer._os_write
-
-    def counted(fd, data):
-        calls[0] += 1
-        return original(fd, data)
-
-    monkeypatch.setattr(writer, "_os_write", counted)
+    monkeypatch.setattr(writer, "_os_writev", _short_writev(short or 1 << 40, calls))
     framing = writer._Framing()
     spans = []
     with open(tmp_path / "out", "wb") as fh:
@@ -253,12 +301,20 @@ def test_reused_framing_writes_torch_saves_bytes_in_few_system_calls(tmp_path, m
         calls[0] = 0
         for t in tensors:
             start = f.pos
+            # _exact's contiguous copy of the strided view dies here: the queued view of its
+            # data must keep it alive until written.
             framing.write(f, writer._exact(t))
             spans.append((start, f.pos))
         f.drain()
         f.check()
         digest = f.hasher.result()
-    assert calls[0] <= 2 * len(tensors) + 1, calls[0]
+    total = spans[-1][1] - spans[0][0]
+    if chunk is None:
+        assert total < writer._CHUNK and calls[0] == 1, calls[0]  # everything in one call
+    elif short is None:
+        assert calls[0] >= total // chunk, calls[0]
+    else:
+        assert calls[0] >= total // short, calls[0]
     # Recorded once per kind: fp32 200x37, bf16 64x64, int64 4096, fp32 300x5 (the copy of
     # the strided view); the 3-element tensor is below the size worth recording.
     shapes = sorted(str(s) for _, s, _ in framing._known)
@@ -271,6 +327,30 @@ def test_reused_framing_writes_torch_saves_bytes_in_few_system_calls(tmp_path, m
         assert data[a:b] == reference.getvalue(), (t.dtype, tuple(t.shape))
         assert torch.equal(torch.load(io.BytesIO(data[a:b]), weights_only=True), t)
     assert os.path.getsize(tmp_path / "out") == spans[-1][1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_async_writes_run_with_a_short_gil_switch_interval(tmp_path, monkeypatch, mode):
+    """Writer threads of an `async` save take the GIL back after every write call: the switch
+    interval is shortened while they run (and only then), and restored after."""
+    import os
+    import sys
+
+    import checkpoint.writer as writer
+
+    default = sys.getswitchinterval()
+    seen = []
+
+    def writev(fd, buffers):
+        seen.append(sys.getswitchinterval())
+        return os.writev(fd, buffers)
+
+    monkeypatch.setattr(writer, "_os_writev", writev)
+    Run(tmp_path, mode=mode, interval=2).train(4)
+    assert seen
+    expected = manager_module._WRITE_SWITCH_INTERVAL_S if mode == "async" else default
+    assert seen == pytest.approx([expected] * len(seen))
+    assert sys.getswitchinterval() == default
 
 
 def test_checksum_off_records_and_checks_sizes_only(tmp_path, straight):
@@ -299,6 +379,7 @@ def test_bench_checkpoint_runs_on_cpu(tmp_path):
         "0.05",
         "--json",
         str(tmp_path / "bench.jsonl"),
+        "--gil-probe",
         "--",
         "model=tiny",
         "data.seq_len=64",
@@ -326,12 +407,41 @@ def test_bench_checkpoint_runs_on_cpu(tmp_path):
         "async": 2,
         "async_process": 2,
     }
+    gil = [line.split(",")[0] for line in lines if line.startswith("GIL take-back wait")]
+    assert gil == [f"GIL take-back wait in {m}" for m in ("sync", "async", "async_process")]
+    assert all(r["gil"]["samples"] > 0 for r in result["rows"])
     measured = result["disk_gbps_measured"]
     assert len(measured) == 4 and min(measured) > 0
     for i, row in enumerate(result["rows"]):
         assert row["disk_around"] == measured[i : i + 2]
         assert row["disk_gbps"] == pytest.approx((measured[i] + measured[i + 1]) / 2)
     assert time.time() - t0 < 600
+
+
+def test_gil_probe_sees_a_thread_that_holds_the_gil():
+    """The probe's wake-up delay is the GIL wait: about a switch interval while another thread
+    runs Python, next to nothing while it sleeps."""
+    import sys
+
+    from tools import bench_checkpoint
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        probe = bench_checkpoint.GilProbe()
+        probe.start()
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:  # Python bytecode: holds the GIL
+            pass
+        busy = probe.summary()
+        probe = bench_checkpoint.GilProbe()
+        probe.start()
+        time.sleep(0.5)
+        idle = probe.summary()
+    finally:
+        sys.setswitchinterval(before)
+    assert busy["p50_ms"] >= 3.0, busy
+    assert idle["p50_ms"] < 1.0, idle
 
 
 # -- strided tensor-parallel shards through the staging path ------------------------------------

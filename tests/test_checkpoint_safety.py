@@ -213,13 +213,14 @@ def _committed_soon(root: Path, step: int, timeout: float = 120.0) -> None:
 def _full_disk_after(monkeypatch, budget: list[int]):
     import checkpoint.writer as writer
 
-    def write(fd, data):
-        if budget[0] < len(data):
+    def writev(fd, buffers):
+        n = sum(len(b) for b in buffers)
+        if budget[0] < n:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        budget[0] -= len(data)
-        return os.write(fd, data)
+        budget[0] -= n
+        return os.writev(fd, buffers)
 
-    monkeypatch.setattr(writer, "_os_write", write)
+    monkeypatch.setattr(writer, "_os_writev", writev)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -494,15 +495,16 @@ def _two_rank_cases(rank, world_size, tmp):
     # A full disk seen by rank 1 alone: both ranks report it, nothing is committed.
     budget = [10**12]
     if rank == 1:
-        original = writer._os_write
+        original = writer._os_writev
 
-        def write(fd, data):
-            if budget[0] < len(data):
+        def writev(fd, buffers):
+            n = sum(len(b) for b in buffers)
+            if budget[0] < n:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            budget[0] -= len(data)
-            return original(fd, data)
+            budget[0] -= n
+            return original(fd, buffers)
 
-        writer._os_write = write
+        writer._os_writev = writev
 
     def on_step(step):
         if step == 2:

@@ -154,6 +154,34 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class GilProbe(threading.Thread):
+    """--gil-probe: a thread of the trainer that sleeps 1 ms at a time and records how late it
+    wakes, which is how long any thread of the process waits to take the GIL back after a
+    call that released it (plus the timer's slack, about 0.1 ms). An `async` save's writer
+    threads wait like this after every hash and write call."""
+
+    def __init__(self):
+        super().__init__(daemon=True, name="gil-probe")
+        self.late: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(1e-3)
+            self.late.append(time.perf_counter() - t0 - 1e-3)
+
+    def summary(self) -> dict:
+        self.stop.set()
+        self.join()
+        late = sorted(self.late) or [0.0]
+
+        def ms(q: float) -> float:
+            return late[min(len(late) - 1, int(q * len(late)))] * 1e3
+
+        return {"p50_ms": ms(0.5), "p90_ms": ms(0.9), "p99_ms": ms(0.99), "samples": len(late)}
+
+
 def run_mode(mode: str, args, overrides: list[str], root: Path) -> dict:
     import torch
 
@@ -178,9 +206,13 @@ def run_mode(mode: str, args, overrides: list[str], root: Path) -> dict:
             f"run.name={name}",
         ]
     )
+    probe = GilProbe() if args.gil_probe else None
+    if probe is not None:
+        probe.start()
     t0 = time.perf_counter()
     status = train.run(cfg)
     seconds = time.perf_counter() - t0
+    gil = probe.summary() if probe is not None else None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -198,6 +230,7 @@ def run_mode(mode: str, args, overrides: list[str], root: Path) -> dict:
         "skipped": sum(r.get("event") == "skipped" for r in records),
         "step_s": statistics.median(step_s) if step_s else None,
         "write_threads": cfg.checkpoint.write_threads,
+        "gil": gil,
     }
     if int(os.environ.get("RANK", 0)) == 0 and not args.keep:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -270,6 +303,7 @@ def summarize(result: dict, steps: int) -> dict:
         "status": result["status"],
         "disk_gbps": result.get("disk"),
         "disk_around": result.get("disk_around"),
+        "gil": result.get("gil"),
     }
 
 
@@ -288,6 +322,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--d2h-gb", type=float, default=2.0, help="bytes of the D2H copy per rank")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--json", help="append the results (one JSON line) to this file")
+    p.add_argument(
+        "--gil-probe", action="store_true", help="measure GIL take-back waits (GilProbe)"
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -373,6 +410,13 @@ def main(argv: list[str]) -> int:
         if r["write_gbps"]:
             checks.append(f"write {r['write_gbps'] / disk:.0%} of disk (>= 80%)")
         print(f"  {r['mode']}: " + "; ".join(checks))
+    for r in rows:
+        if r["gil"]:
+            g = r["gil"]
+            print(
+                f"GIL take-back wait in {r['mode']}, whole run (rank 0, {g['samples']} samples): "
+                f"p50 {g['p50_ms']:.2f} ms, p90 {g['p90_ms']:.2f} ms, p99 {g['p99_ms']:.2f} ms"
+            )
 
     header = (
         "| mode | ranks | saves (deferred/skipped) | GiB/save | staging GB/s/rank "
