@@ -346,7 +346,6 @@ class Stager:
         self.wanted = buffers
         self.shared = shared
         self.prefer_shared = prefer_shared
-        self.in_shared = False
         self._log = log
         self._warn = warn or log
         self._on_allocate = on_allocate
@@ -366,61 +365,61 @@ class Stager:
             self._alloc.result()
         return len(self.buffers)
 
-    def planned_count(self, nbytes: int) -> int:
+    def _placement(self, nbytes: int) -> tuple[int, bool]:
+        """(how many buffers, whether in shared memory) for buffers of `nbytes` on this rank,
+        with every local rank doing the same."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        shm = shared_memory_free() if self.shared else None
-        if shm is not None and nbytes * local > shm:
+        size = f"{nbytes / 2**30:.2f} GiB"
+        shm = shared_memory_free() if self.shared or self.prefer_shared else None
+        shm_free = "unknown" if shm is None else f"{shm / 2**30:.1f} GiB"
+        if self.shared and shm is not None and nbytes * local > shm:
             # Touching shared memory beyond /dev/shm's size kills the process (SIGBUS).
             raise ConfigError(
-                f"checkpoint.mode=async_process: a staging buffer of {nbytes / 2**30:.2f} GiB "
-                f"per rank x {local} local ranks does not fit in /dev/shm "
-                f"({shm / 2**30:.1f} GiB free); enlarge /dev/shm (docker --shm-size) or use "
-                "checkpoint=async"
+                f"checkpoint.mode=async_process: a staging buffer of {size} per rank x {local} "
+                f"local ranks does not fit in /dev/shm ({shm_free} free); enlarge /dev/shm "
+                "(docker --shm-size) or use checkpoint=async"
             )
-        if self.wanted == 1:
-            return 1
+        count = self.wanted
         available = host_memory_available()
-        if available is not None and 2 * nbytes * local > available // 2:
+        if count == 2 and available is not None and 2 * nbytes * local > available // 2:
             self._log(
-                f"staging: 2 buffers of {nbytes / 2**30:.2f} GiB x {local} local ranks exceed "
-                f"half of the {available / 2**30:.1f} GiB available; using 1"
+                f"staging: 2 buffers of {size} x {local} local ranks exceed half of the "
+                f"{available / 2**30:.1f} GiB available; using 1"
             )
-            return 1
-        if shm is not None and 2 * nbytes * local > shm:
+            count = 1
+        if count == 2 and self.shared and shm is not None and 2 * nbytes * local > shm:
             self._log(
-                f"staging: 2 buffers of {nbytes / 2**30:.2f} GiB x {local} local ranks do not "
-                f"fit in /dev/shm ({shm / 2**30:.1f} GiB free); using 1"
+                f"staging: 2 buffers of {size} x {local} local ranks do not fit in /dev/shm "
+                f"({shm_free} free); using 1"
             )
-            return 1
-        return 2
-
-    def _shared_fits(self, nbytes: int) -> bool:
-        """Whether `nbytes` per rank, for every local rank, fit in /dev/shm with a tenth of its
-        free space to spare (logs the fallback to private memory when not)."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        shm = shared_memory_free()
-        if shm is not None and nbytes * local <= 0.9 * shm:
-            return True
-        free = "unknown" if shm is None else f"{shm / 2**30:.1f} GiB"
+            count = 1
+        if self.shared or not self.prefer_shared:
+            return count, self.shared
+        if shm is not None and count * nbytes * local <= 0.9 * shm:
+            return count, True
         self._warn(
-            f"staging: {nbytes / 2**30:.2f} GiB per rank x {local} local ranks does not fit in "
-            f"/dev/shm ({free} free); staging in private memory, where writes from threads "
-            "of the training process are slower (enlarge /dev/shm, e.g. docker --shm-size)"
+            f"staging: {count * nbytes / 2**30:.2f} GiB per rank x {local} local ranks does not "
+            f"fit in /dev/shm ({shm_free} free); staging in private memory, where writes from "
+            "threads of the training process are slower (enlarge /dev/shm, e.g. docker "
+            "--shm-size)"
         )
-        return False
+        return count, False
+
+    @property
+    def in_shared(self) -> bool:
+        """Whether the current buffers are in shared memory."""
+        return bool(self.buffers) and self.buffers[0].untyped_storage().is_shared()
 
     def _allocate(self, p: _Plan) -> None:
         t0 = time.perf_counter()
         self.close()
-        count = self.planned_count(p.nbytes)
-        shared = self.shared or (self.prefer_shared and self._shared_fits(count * p.nbytes))
+        count, shared = self._placement(p.nbytes)
         buffers, pinned = [], []
         for _ in range(count):
             buf, pin = allocate(p.nbytes, shared=shared)
             buffers.append(buf)
             pinned.append(pin)
         self.buffers = buffers
-        self.in_shared = shared
         self.pinned = all(pinned) and bool(pinned)
         self.views = [make_views(b, p.slots) for b in buffers]
         self.slots = list(p.slots)

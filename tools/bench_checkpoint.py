@@ -174,12 +174,13 @@ class GilProbe(threading.Thread):
     def summary(self) -> dict:
         self.stop.set()
         self.join()
-        late = sorted(self.late) or [0.0]
-
-        def ms(q: float) -> float:
-            return late[min(len(late) - 1, int(q * len(late)))] * 1e3
-
-        return {"p50_ms": ms(0.5), "p90_ms": ms(0.9), "p99_ms": ms(0.99), "samples": len(late)}
+        cuts = statistics.quantiles(self.late if len(self.late) > 1 else [0.0, 0.0], n=100)
+        return {
+            "p50_ms": cuts[49] * 1e3,
+            "p90_ms": cuts[89] * 1e3,
+            "p99_ms": cuts[98] * 1e3,
+            "samples": len(self.late),
+        }
 
 
 def run_mode(mode: str, args, overrides: list[str], root: Path) -> dict:
@@ -301,7 +302,7 @@ def summarize(result: dict, steps: int) -> dict:
         "skipped": result["skipped"],
         "step_s": result["step_s"],
         "status": result["status"],
-        "disk_gbps": result.get("disk"),
+        "disk_gbps": statistics.mean(result["disk_around"]) if "disk_around" in result else None,
         "disk_around": result.get("disk_around"),
         "gil": result.get("gil"),
     }
@@ -364,7 +365,7 @@ def main(argv: list[str]) -> int:
         results.append(run_mode(m, args, overrides, root))
         after = args.modes[i + 1] if i + 1 < len(args.modes) else None
         disks.append(measure_disk(f"after {m}" + (f", before {after}" if after else "")))
-        results[-1].update(disk_around=disks[-2:], disk=statistics.mean(disks[-2:]))
+        results[-1]["disk_around"] = disks[-2:]
     if rank != 0:
         return 0
     rows = [summarize(r, args.steps) for r in results]
