@@ -20,7 +20,8 @@ parallel, each hashed while written):
   rank (checkpoint/writer_process.py) started with the manager; works in a world of one.
 DCP's collectives run on a gloo group of the manager's own (`_pg`), so a background write
 never interleaves with the training loop's collectives; the loop's own agreements (is a
-staging buffer free, was every loss finite) use a second gloo group (`_ctl`).
+staging buffer free, was every loss finite, where the staging buffers go) use a second gloo
+group (`_ctl`).
 
 A busy writer (checkpoint.when_busy): with `staging_buffers=2` a save that comes due while the
 previous one is written is staged into the other buffer and written next. When no buffer is
@@ -297,6 +298,7 @@ class CheckpointManager:
                 else (lambda msg: print(f"checkpoint: rank {rank}: {msg}", flush=True)),
                 on_allocate=self._buffers_allocated,
                 before_reallocate=self._wait_all,
+                agree=self._minimum,
             )
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
 
@@ -577,12 +579,17 @@ class CheckpointManager:
         at the same step (a failed DCP save fails on every rank)."""
         self._poll()
         failed = any(p.future.done() and p.future.exception() for p in self._pending)
-        flags = torch.tensor([self._free_buffers(), -int(failed)])
-        if self._ctl is not None:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._ctl)
-        if int(flags[1]) < 0:
+        free, all_ok = self._minimum([self._free_buffers(), int(not failed)])
+        if not all_ok:
             self._wait_all()
-        return int(flags[0]) > 0
+        return free > 0
+
+    def _minimum(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of `values` over every rank (a collective on `_ctl`)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self._ctl is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._ctl)
+        return [int(v) for v in t]
 
     def _buffer_count(self) -> int:
         n = len(self._stager.buffers) if self._stager is not None else 0

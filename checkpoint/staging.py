@@ -329,8 +329,10 @@ class Stager:
     twice this rank's state times the ranks of this node would take more than half of the
     host's available memory). `shared`: buffers in shared memory (writer process);
     `prefer_shared`: in shared memory when /dev/shm has room for them with a tenth to spare,
-    else private (said with `warn`, default `log`). `in_shared`: where the current buffers
-    are."""
+    else private (said with `warn`, default `log`). `agree`: the element-wise minimum of a
+    list of integers over every rank (a collective), so that the first allocation is placed
+    alike on every rank (None: this rank decides alone). `in_shared`: where the current
+    buffers are."""
 
     def __init__(
         self,
@@ -342,6 +344,7 @@ class Stager:
         warn: Callable[[str], None] | None = None,
         on_allocate: Callable[[list[torch.Tensor]], None] | None = None,
         before_reallocate: Callable[[], None] | None = None,
+        agree: Callable[[list[int]], list[int]] | None = None,
     ):
         self.wanted = buffers
         self.shared = shared
@@ -350,6 +353,7 @@ class Stager:
         self._warn = warn or log
         self._on_allocate = on_allocate
         self._before_reallocate = before_reallocate
+        self._agree = agree
         self.signature: tuple | None = None
         self.buffers: list[torch.Tensor] = []
         self.pinned = False
@@ -365,44 +369,70 @@ class Stager:
             self._alloc.result()
         return len(self.buffers)
 
-    def _placement(self, nbytes: int) -> tuple[int, bool]:
+    def _placement(self, nbytes: int, agree: bool) -> tuple[int, bool]:
         """(how many buffers, whether in shared memory) for buffers of `nbytes` on this rank,
-        with every local rank doing the same."""
+        every local rank needing as much. With `agree`, every rank takes the same decision
+        (the minimum over ranks, one collective), after every rank has read the free memory:
+        none has allocated yet, so none sees another's buffers as used."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        size = f"{nbytes / 2**30:.2f} GiB"
         shm = shared_memory_free() if self.shared or self.prefer_shared else None
-        shm_free = "unknown" if shm is None else f"{shm / 2**30:.1f} GiB"
-        if self.shared and shm is not None and nbytes * local > shm:
-            # Touching shared memory beyond /dev/shm's size kills the process (SIGBUS).
-            raise ConfigError(
-                f"checkpoint.mode=async_process: a staging buffer of {size} per rank x {local} "
-                f"local ranks does not fit in /dev/shm ({shm_free} free); enlarge /dev/shm "
-                "(docker --shm-size) or use checkpoint=async"
-            )
-        count = self.wanted
         available = host_memory_available()
-        if count == 2 and available is not None and 2 * nbytes * local > available // 2:
-            self._log(
-                f"staging: 2 buffers of {size} x {local} local ranks exceed half of the "
-                f"{available / 2**30:.1f} GiB available; using 1"
+        # async_process needs its buffers in /dev/shm; async wants a tenth to spare there.
+        limit = None if shm is None else (shm if self.shared else 0.9 * shm)
+
+        def fits(count: int) -> bool:
+            return limit is not None and count * nbytes * local <= limit
+
+        host_room = available is None or 2 * nbytes * local <= available // 2
+        shm_room = not self.shared or shm is None or fits(2)
+        count = 2 if self.wanted == 2 and host_room and shm_room else 1
+        # Touching shared memory beyond /dev/shm's size kills the process (SIGBUS).
+        room = not self.shared or shm is None or fits(1)
+        mine = [count, int(room), int(fits(1)), int(fits(2))]
+        agreed = self._agree(mine) if agree and self._agree is not None else mine
+        count, room_all, fits1, fits2 = agreed
+
+        size = f"{nbytes / 2**30:.2f} GiB"
+        shm_free = "unknown" if shm is None else f"{shm / 2**30:.1f} GiB"
+        if not room_all:
+            where = (
+                f"a staging buffer of {size} per rank x {local} local ranks does not fit in "
+                f"/dev/shm ({shm_free} free)"
+                if not room
+                else "another rank's node has too little /dev/shm for the staging buffers "
+                "(its error says how much)"
             )
-            count = 1
-        if count == 2 and self.shared and shm is not None and 2 * nbytes * local > shm:
-            self._log(
-                f"staging: 2 buffers of {size} x {local} local ranks do not fit in /dev/shm "
-                f"({shm_free} free); using 1"
+            raise ConfigError(
+                f"checkpoint.mode=async_process: {where}; enlarge /dev/shm (docker "
+                "--shm-size) or use checkpoint=async"
             )
-            count = 1
+        if count < self.wanted:
+            if count < mine[0]:
+                why = "another rank has room for only 1 (its log says why)"
+            elif not host_room:
+                why = (
+                    f"2 x {size} x {local} local ranks exceed half of the "
+                    f"{available / 2**30:.1f} GiB available"
+                )
+            else:
+                why = f"2 x {size} x {local} local ranks do not fit in /dev/shm ({shm_free} free)"
+            self._log(f"staging: 1 buffer instead of {self.wanted}: {why}")
         if self.shared or not self.prefer_shared:
             return count, self.shared
-        if shm is not None and count * nbytes * local <= 0.9 * shm:
+        if fits2 if count == 2 else fits1:
             return count, True
-        self._warn(
-            f"staging: {count * nbytes / 2**30:.2f} GiB per rank x {local} local ranks does not "
-            f"fit in /dev/shm ({shm_free} free); staging in private memory, where writes from "
-            "threads of the training process are slower (enlarge /dev/shm, e.g. docker "
-            "--shm-size)"
-        )
+        if fits(count):
+            self._log(
+                "staging: in private memory: another rank's /dev/shm has too little room "
+                "(its line says how much)"
+            )
+        else:
+            self._warn(
+                f"staging: {count * nbytes / 2**30:.2f} GiB per rank x {local} local ranks does "
+                f"not fit in /dev/shm ({shm_free} free); staging in private memory, where writes "
+                "from threads of the training process are slower (enlarge /dev/shm, e.g. docker "
+                "--shm-size)"
+            )
         return count, False
 
     @property
@@ -410,10 +440,8 @@ class Stager:
         """Whether the current buffers are in shared memory."""
         return bool(self.buffers) and self.buffers[0].untyped_storage().is_shared()
 
-    def _allocate(self, p: _Plan) -> None:
+    def _allocate(self, p: _Plan, count: int, shared: bool) -> None:
         t0 = time.perf_counter()
-        self.close()
-        count, shared = self._placement(p.nbytes)
         buffers, pinned = [], []
         for _ in range(count):
             buf, pin = allocate(p.nbytes, shared=shared)
@@ -440,6 +468,7 @@ class Stager:
         if self.signature is not None or self._alloc is not None:
             return
         p = plan(state)
+        count, shared = self._placement(p.nbytes, agree=True)  # on this thread: a collective
         # The thread keeps its own reference: stage() takes self._alloc away to wait on it.
         self._alloc = done = Future()
         # A new thread starts on device 0: keep this rank's device (no context on another GPU).
@@ -449,7 +478,7 @@ class Stager:
             try:
                 if device is not None:
                     torch.cuda.set_device(device)
-                self._allocate(p)
+                self._allocate(p, count, shared)
                 done.set_result(None)
             except BaseException as e:  # surfaced by the next stage()
                 done.set_exception(e)
@@ -466,11 +495,15 @@ class Stager:
             alloc, self._alloc = self._alloc, None
             alloc.result()
         if p.signature != self.signature or not self.buffers:
-            if self.signature is not None:
+            # The first allocation happens at the same save on every rank, so its placement
+            # is agreed; a later one (the state's tensors changed) is this rank's own.
+            first = self.signature is None
+            if not first:
                 self._log("staging: the state's tensors changed; staging buffers reallocated")
                 if self._before_reallocate is not None:
                     self._before_reallocate()  # no write may still read the old buffers
-            self._allocate(p)
+            self.close()
+            self._allocate(p, *self._placement(p.nbytes, agree=first))
         t_alloc = time.perf_counter()
         index = min(index, len(self.buffers) - 1)
         views = self.views[index]

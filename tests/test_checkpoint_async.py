@@ -94,6 +94,88 @@ def test_async_stages_in_shared_memory_when_dev_shm_has_room(tmp_path, monkeypat
     assert start == 4 and rest == straight[4:8]  # bitwise
 
 
+def _placement_worker(rank, world_size, case, root):
+    """One rank of a 2-process job whose rank 1 lacks room (`case`: shm, host or process);
+    rank 1 also plans a second late, so without an agreement rank 0 would have allocated (and
+    used up /dev/shm) before rank 1 reads its free space."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from checkpoint import staging
+    from checkpoint.config import CheckpointConfig
+    from checkpoint.manager import CheckpointManager
+    from errors import ConfigError
+
+    reads, allocations, messages = [], [], []
+    short = rank == 1
+    real_allocate = staging.allocate
+
+    def shm_free():
+        reads.append(time.monotonic())
+        return 1 << 12 if short and case in ("shm", "process") else 1 << 40
+
+    def allocate(nbytes, *, shared):
+        allocations.append(time.monotonic())
+        return real_allocate(nbytes, shared=shared)
+
+    staging.shared_memory_free = shm_free
+    staging.host_memory_available = lambda: 1 << 12 if short and case == "host" else 1 << 40
+    staging.allocate = allocate
+
+    class Weights(Stateful):
+        def state_dict(self):
+            if short:
+                time.sleep(1.0)
+            return {"w": torch.arange(4096, dtype=torch.float32) + rank}
+
+        def load_state_dict(self, sd):
+            pass
+
+    mode = "async_process" if case == "process" else "async"
+    cfg = CheckpointConfig(mode=mode, interval=2, checksum=False)
+    ckpt = CheckpointManager(cfg, root, rank, world_size, log=messages.append)
+    ckpt._stager._warn = messages.append
+    state = {"m": Weights()}
+    try:
+        if case == "process":
+            with pytest.raises(ConfigError) as e:
+                ckpt.maybe_save(1, state)  # plans and places the buffers: every rank raises
+            other = "another rank's node has too little /dev/shm"
+            assert ("does not fit in /dev/shm" if short else other) in str(e.value)
+            assert "checkpoint.mode=async_process" in str(e.value) and not allocations
+            return
+        ckpt.maybe_save(1, state)
+        ckpt.maybe_save(2, state)
+        stager_shared = [b.untyped_storage().is_shared() for b in ckpt._stager.buffers]
+        ckpt.finish(2, state, save=False)
+    finally:
+        ckpt.close()
+    # Every rank read its free memory before any rank allocated.
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (reads, allocations))
+    assert all(r and a for r, a in seen), seen
+    assert max(max(r) for r, _ in seen) < min(min(a) for _, a in seen)
+    if case == "shm":  # both in private memory; rank 1 says why, rank 0 that it follows
+        assert stager_shared == [False, False], (rank, stager_shared)
+        why = "does not fit in /dev/shm" if short else "another rank's /dev/shm has too little"
+        assert [m for m in messages if why in m], messages
+    else:  # host memory for one buffer only on rank 1: one buffer on both, still in /dev/shm
+        assert stager_shared == [True], (rank, stager_shared)
+        why = "exceed half of the" if short else "another rank has room for only 1"
+        assert [m for m in messages if "1 buffer instead of 2" in m and why in m], messages
+    assert committed(Path(root) / "checkpoints") == [2]
+
+
+@pytest.mark.parametrize("case", ["shm", "host", "process"])
+def test_staging_placement_is_agreed_by_every_rank(tmp_path, case):
+    """Where the staging buffers go (/dev/shm or not, 1 or 2) is decided alike on every rank
+    (the most constrained rank's choice), after every rank has read its free memory; a node
+    short of /dev/shm for async_process fails every rank at the same step, not one of them."""
+    from tests.distributed import run_distributed
+
+    run_distributed(_placement_worker, 2, case, str(tmp_path))
+
+
 def test_stats_report_staging_write_and_bytes(tmp_path):
     run = Run(tmp_path, mode="async", interval=2)
     run.train(2, finish=False)
