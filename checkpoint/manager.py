@@ -292,13 +292,13 @@ class CheckpointManager:
                 shared=process,
                 prefer_shared=True,
                 log=self._log,
-                # the /dev/shm fallback is decided per rank: every rank that falls back says so
+                # a placement this rank decides alone (a reallocation) is said by every rank
                 warn=self._log
                 if rank == 0
                 else (lambda msg: print(f"checkpoint: rank {rank}: {msg}", flush=True)),
                 on_allocate=self._buffers_allocated,
                 before_reallocate=self._wait_all,
-                agree=self._minimum,
+                agree=self._minimum if self._ctl is not None else None,
             )
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
 

@@ -329,10 +329,10 @@ class Stager:
     twice this rank's state times the ranks of this node would take more than half of the
     host's available memory). `shared`: buffers in shared memory (writer process);
     `prefer_shared`: in shared memory when /dev/shm has room for them with a tenth to spare,
-    else private (said with `warn`, default `log`). `agree`: the element-wise minimum of a
-    list of integers over every rank (a collective), so that the first allocation is placed
-    alike on every rank (None: this rank decides alone). `in_shared`: where the current
-    buffers are."""
+    else private. `agree`: the element-wise minimum of a list of integers over every rank (a
+    collective), so that the first allocation is placed alike on every rank and said once (by
+    `log`, rank 0's); None (one process, or a reallocation): this rank decides alone and says
+    so with `warn` (default `log`). `in_shared`: where the current buffers are."""
 
     def __init__(
         self,
@@ -371,68 +371,56 @@ class Stager:
 
     def _placement(self, nbytes: int, agree: bool) -> tuple[int, bool]:
         """(how many buffers, whether in shared memory) for buffers of `nbytes` on this rank,
-        every local rank needing as much. With `agree`, every rank takes the same decision
-        (the minimum over ranks, one collective), after every rank has read the free memory:
-        none has allocated yet, so none sees another's buffers as used."""
+        every local rank needing as much. With `agree` (and the `agree` collective), every
+        rank decides from the same figures, read by every rank before any allocates (so no
+        rank counts another's buffers as used): the least free /dev/shm and host memory and
+        the most bytes and local ranks over the job; rank 0 says what was decided."""
+        unknown = 1 << 62
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         shm = shared_memory_free() if self.shared or self.prefer_shared else None
         available = host_memory_available()
-        # async_process needs its buffers in /dev/shm; async wants a tenth to spare there.
+        figures = [unknown if x is None else x for x in (shm, available)] + [-nbytes, -local]
+        agreed = agree and self._agree is not None
+        if agreed:
+            figures = self._agree(figures)
+        shm, available = (None if x >= unknown else x for x in figures[:2])
+        nbytes, local = -figures[2], -figures[3]
+        say = self._log if agreed else self._warn  # agreed: rank 0's line speaks for all
+        least = " on the job's fullest node" if agreed else ""
+        size = f"{nbytes / 2**30:.2f} GiB per rank x {local} local ranks"
+        shm_free = "unknown" if shm is None else f"{shm / 2**30:.1f} GiB free{least}"
+        # async_process needs its buffers in /dev/shm; async keeps a tenth of it spare.
         limit = None if shm is None else (shm if self.shared else 0.9 * shm)
 
         def fits(count: int) -> bool:
             return limit is not None and count * nbytes * local <= limit
 
-        host_room = available is None or 2 * nbytes * local <= available // 2
-        shm_room = not self.shared or shm is None or fits(2)
-        count = 2 if self.wanted == 2 and host_room and shm_room else 1
-        # Touching shared memory beyond /dev/shm's size kills the process (SIGBUS).
-        room = not self.shared or shm is None or fits(1)
-        mine = [count, int(room), int(fits(1)), int(fits(2))]
-        agreed = self._agree(mine) if agree and self._agree is not None else mine
-        count, room_all, fits1, fits2 = agreed
-
-        size = f"{nbytes / 2**30:.2f} GiB"
-        shm_free = "unknown" if shm is None else f"{shm / 2**30:.1f} GiB"
-        if not room_all:
-            where = (
-                f"a staging buffer of {size} per rank x {local} local ranks does not fit in "
-                f"/dev/shm ({shm_free} free)"
-                if not room
-                else "another rank's node has too little /dev/shm for the staging buffers "
-                "(its error says how much)"
-            )
+        if self.shared and shm is not None and not fits(1):
+            # Touching shared memory beyond /dev/shm's size kills the process (SIGBUS).
             raise ConfigError(
-                f"checkpoint.mode=async_process: {where}; enlarge /dev/shm (docker "
-                "--shm-size) or use checkpoint=async"
+                f"checkpoint.mode=async_process: a staging buffer of {size} does not fit in "
+                f"/dev/shm ({shm_free}); enlarge /dev/shm (docker --shm-size) or use "
+                "checkpoint=async"
             )
-        if count < self.wanted:
-            if count < mine[0]:
-                why = "another rank has room for only 1 (its log says why)"
-            elif not host_room:
-                why = (
-                    f"2 x {size} x {local} local ranks exceed half of the "
-                    f"{available / 2**30:.1f} GiB available"
-                )
-            else:
-                why = f"2 x {size} x {local} local ranks do not fit in /dev/shm ({shm_free} free)"
-            self._log(f"staging: 1 buffer instead of {self.wanted}: {why}")
+        count = self.wanted
+        if count == 2 and available is not None and 2 * nbytes * local > available // 2:
+            say(
+                f"staging: 1 buffer, not 2: 2 x {size} exceed half of the "
+                f"{available / 2**30:.1f} GiB of host memory available{least}"
+            )
+            count = 1
+        if count == 2 and self.shared and shm is not None and not fits(2):
+            say(f"staging: 1 buffer, not 2: 2 x {size} do not fit in /dev/shm ({shm_free})")
+            count = 1
         if self.shared or not self.prefer_shared:
             return count, self.shared
-        if fits2 if count == 2 else fits1:
-            return count, True
         if fits(count):
-            self._log(
-                "staging: in private memory: another rank's /dev/shm has too little room "
-                "(its line says how much)"
-            )
-        else:
-            self._warn(
-                f"staging: {count * nbytes / 2**30:.2f} GiB per rank x {local} local ranks does "
-                f"not fit in /dev/shm ({shm_free} free); staging in private memory, where writes "
-                "from threads of the training process are slower (enlarge /dev/shm, e.g. docker "
-                "--shm-size)"
-            )
+            return count, True
+        say(
+            f"staging: {count} x {size} does not fit in /dev/shm ({shm_free}; a tenth is kept "
+            "spare); staging in private memory, where writes from threads of the training "
+            "process are slower (enlarge /dev/shm, e.g. docker --shm-size)"
+        )
         return count, False
 
     @property
