@@ -290,7 +290,6 @@ class CheckpointManager:
             self._stager = staging.Stager(
                 buffers=cfg.staging_buffers,
                 shared=process,
-                prefer_shared=True,
                 log=self._log,
                 # a placement this rank decides alone (a reallocation) is said by every rank
                 warn=self._log

@@ -17,7 +17,7 @@ copied as objects.
 The buffers (one or two, see CheckpointConfig.staging_buffers) are allocated for the first
 plan and reused while the plan's slots stay the same: pinned (cudaHostRegister) when CUDA is
 present; in shared memory for the writer process (`shared`), and for writer threads when
-/dev/shm has room (`prefer_shared`): on an H200 host, four threads of the training process
+/dev/shm has room: on an H200 host, four threads of the training process
 writing files from its private pinned memory spent 1.4-3.6x the kernel time in `write` that
 they spent on the same bytes from shared memory (docs/PERFORMANCE.md). A copy is one
 `copy_(non_blocking=True)` per tensor and one synchronize. Without CUDA the same code runs on
@@ -327,9 +327,9 @@ def host_memory_available() -> int | None:
 class Stager:
     """Owns the staging buffers of one manager. `buffers`: how many (1 or 2; 2 drops to 1 when
     twice this rank's state times the ranks of this node would take more than half of the
-    host's available memory). `shared`: buffers in shared memory (writer process);
-    `prefer_shared`: in shared memory when /dev/shm has room for them with a tenth to spare,
-    else private. `agree`: the element-wise minimum of a list of integers over every rank (a
+    host's available memory). `shared`: buffers in shared memory (writer process); else in
+    shared memory when /dev/shm has room for them with a tenth to spare, private otherwise.
+    `agree`: the element-wise minimum of a list of integers over every rank (a
     collective), so that the first allocation is placed alike on every rank and said once (by
     `log`, rank 0's); None (one process, or a reallocation): this rank decides alone and says
     so with `warn` (default `log`). `in_shared`: where the current buffers are."""
@@ -339,7 +339,6 @@ class Stager:
         *,
         buffers: int = 2,
         shared: bool = False,
-        prefer_shared: bool = False,
         log: Callable[[str], None] = lambda m: None,
         warn: Callable[[str], None] | None = None,
         on_allocate: Callable[[list[torch.Tensor]], None] | None = None,
@@ -348,7 +347,6 @@ class Stager:
     ):
         self.wanted = buffers
         self.shared = shared
-        self.prefer_shared = prefer_shared
         self._log = log
         self._warn = warn or log
         self._on_allocate = on_allocate
@@ -377,7 +375,7 @@ class Stager:
         the most bytes and local ranks over the job; rank 0 says what was decided."""
         unknown = 1 << 62
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        shm = shared_memory_free() if self.shared or self.prefer_shared else None
+        shm = shared_memory_free()
         available = host_memory_available()
         figures = [unknown if x is None else x for x in (shm, available)] + [-nbytes, -local]
         agreed = agree and self._agree is not None
@@ -412,9 +410,7 @@ class Stager:
         if count == 2 and self.shared and shm is not None and not fits(2):
             say(f"staging: 1 buffer, not 2: 2 x {size} do not fit in /dev/shm ({shm_free})")
             count = 1
-        if self.shared or not self.prefer_shared:
-            return count, self.shared
-        if fits(count):
+        if self.shared or fits(count):
             return count, True
         say(
             f"staging: {count} x {size} does not fit in /dev/shm ({shm_free}; a tenth is kept "
