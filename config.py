@@ -152,6 +152,8 @@ IMPLS = ("auto", "te", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
 WANDB_RESUME = ("auto", "rewind", "hold")
+DATA_SOURCES = ("embedded", "hf", "synthetic")
+DOC_LEN_DISTRIBUTIONS = ("fixed", "exponential")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -218,13 +220,25 @@ def validate(cfg: Config) -> None:
     _require(
         m.head_dim % 2 == 0, f"model head_dim={m.head_dim} (dim/n_heads) must be even for RoPE"
     )
+    e = cfg.eval
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _require(
         d.seq_len <= m.max_seq_len,
         f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
         "raise model.max_seq_len or lower data.seq_len",
     )
-    _require(d.name in ("embedded", "hf"), f"data.name={d.name!r} is not one of embedded, hf")
+    _require(
+        d.name in DATA_SOURCES,
+        f"data.name={d.name!r} is not one of {', '.join(DATA_SOURCES)}",
+    )
+    if d.name == "synthetic":
+        _require(d.doc_len >= 2, f"data.doc_len={d.doc_len} must be >= 2 (BOS and EOS)")
+        _one_of(d.doc_len_dist, DOC_LEN_DISTRIBUTIONS, "data.doc_len_dist")
+        _require(
+            e.every == 0,
+            "eval.every > 0 needs held-out documents, which data=synthetic has none of; set "
+            "eval.every=0",
+        )
     _require(
         d.name != "hf" or bool(d.path),
         "data.path is required with data=hf (a hub dataset name or local files)",
@@ -245,7 +259,6 @@ def validate(cfg: Config) -> None:
         f"{cfg.logger.wandb.mode}; offline runs cannot be rewound); use logger.wandb.resume=hold "
         "or auto",
     )
-    e = cfg.eval
     _require(e.every >= 0, f"eval.every={e.every} must be >= 0 (0: no evaluation)")
     _require(e.batches >= 1, f"eval.batches={e.batches} must be >= 1")
     if e.every > 0:
@@ -453,13 +466,30 @@ def _diff(old: Any, new: Any, path: str, out: list[Change]) -> None:
         out.append(Change(path, old, new))
 
 
+#: Fields whose default is not what the code did before they existed: a saved config that
+#: predates one of them is read with this value (what its run did), not with the default.
+PREDATING_VALUES = {"data.document_mask": False}
+
+
+def _with_predating_values(tree: dict) -> dict:
+    for path, value in PREDATING_VALUES.items():
+        *groups, leaf = path.split(".")
+        node = tree
+        for g in groups:
+            node = node.setdefault(g, {}) if isinstance(node.get(g, {}), dict) else {}
+        node.setdefault(leaf, value)
+    return tree
+
+
 def config_changes(saved_yaml: str, current_yaml: str) -> list[Change]:
     """Every field that differs between two resolved configs (train.py's config.yaml text),
-    on their effective values; fields the saved config predates count as their default."""
+    on their effective values; fields the saved config predates count as their default
+    (or as `PREDATING_VALUES` says)."""
     import yaml
 
     defaults = schema_defaults()
-    saved = _effective(_merge_defaults(defaults, yaml.safe_load(saved_yaml) or {}))
+    saved_tree = _with_predating_values(yaml.safe_load(saved_yaml) or {})
+    saved = _effective(_merge_defaults(defaults, saved_tree))
     current = _effective(_merge_defaults(defaults, yaml.safe_load(current_yaml) or {}))
     changes: list[Change] = []
     _diff(saved, current, "", changes)

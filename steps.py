@@ -14,14 +14,35 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from data.documents import Documents
 from optim import clip_grad_norm
 
 
-def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+def next_token_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    documents: Documents | None = None,
+):
     """Mean cross entropy of the next token over the labels that are not -100, computed by the
     model's head without materialising the logits (model/loss.py). The padding columns of the
-    vocabulary are never targets and take no probability."""
-    return model(inputs, labels=labels)
+    vocabulary are never targets and take no probability. `documents`: attention stays inside
+    each document (data.document_mask); None: causal over the whole row."""
+    if documents is None:
+        return model(inputs, labels=labels)
+    return model(inputs, labels=labels, documents=documents)
+
+
+def _micro_batches(inputs, labels, documents: Documents | None, n: int, device):
+    """The n micro batches of (inputs, labels, documents), documents split on the CPU (where
+    their boundaries are known without a sync) and then moved next to the inputs."""
+    parts = [None] * n if documents is None else documents.chunk(n)
+    for x, y, d in zip(inputs.chunk(n), labels.chunk(n), parts):
+        yield x, y, d if d is None else d.to(device, non_blocking=True)
+
+
+def _loss(loss_fn, model, x, y, d):
+    return loss_fn(model, x, y) if d is None else loss_fn(model, x, y, d)
 
 
 def train_step(
@@ -35,15 +56,17 @@ def train_step(
     scheduler=None,
     autocast: AbstractContextManager | None = None,
     loss_fn=next_token_loss,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's rows: forward and backward over `grad_accum` micro
     batches, clip, step, zero the gradients, advance the schedule. Returns (loss, grad_norm)
     as 0-d tensors on the device (no host sync): the loss is this rank's mean; the caller
-    averages it over data-parallel ranks when it logs."""
+    averages it over data-parallel ranks when it logs. `documents`: the document boundaries
+    of `inputs` (CPU, data.documents), split into micro batches as the inputs are."""
     step_loss = torch.zeros((), device=inputs.device)
-    for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
+    for x, y, d in _micro_batches(inputs, labels, documents, grad_accum, inputs.device):
         with autocast if autocast is not None else nullcontext():
-            loss = loss_fn(model, x, y)
+            loss = _loss(loss_fn, model, x, y, d)
         (loss / grad_accum).backward()
         step_loss += loss.detach() / grad_accum
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
@@ -63,20 +86,24 @@ def evaluate(
     autocast: AbstractContextManager | None = None,
     dp_group=None,
     loss_fn=next_token_loss,
+    boundaries=None,
 ) -> float:
     """Mean next-token loss over this rank's rows of the held-out `batches` (batches, rows,
     seq_len+1), forward only, `micro_batches` forwards per batch as in training and under
     the same autocast; averaged over the data-parallel ranks (equal rows everywhere, no
-    masked labels, so the mean of means is the global mean)."""
+    masked labels, so the mean of means is the global mean). `boundaries`: the run's
+    data.documents.DocumentBoundaries when attention is document-masked, else None."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for batch in batches:
+        documents = None if boundaries is None else boundaries(batch[:, :-1])
         batch = batch.to(device, non_blocking=True)
-        for rows in batch.chunk(micro_batches):
+        parts = _micro_batches(batch[:, :-1], batch[:, 1:], documents, micro_batches, device)
+        for x, y, d in parts:
             with autocast if autocast is not None else nullcontext():
-                total += loss_fn(model, rows[:, :-1], rows[:, 1:]).float()
+                total += _loss(loss_fn, model, x, y, d).float()
     total /= len(batches) * micro_batches
     # Without a backward, FSDP2 units that keep their weights gathered after forward (the
     # root, the last block) would stay gathered: leave them sharded, as a training step does.

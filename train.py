@@ -250,7 +250,10 @@ def run(cfg: Config) -> int:
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
         profiler.begin(step)
-        batch = loader.next_batch().to(device, non_blocking=True)
+        rows = loader.next_batch()
+        # Document boundaries are read from the tokens on the CPU (data/documents.py).
+        documents = None if loader.boundaries is None else loader.boundaries(rows[:, :-1])
+        batch = rows.to(device, non_blocking=True)
         loss, grad_norm = train_step(
             model,
             optimizer,
@@ -260,6 +263,7 @@ def run(cfg: Config) -> int:
             grad_clip=cfg.optim.grad_clip,
             scheduler=scheduler,
             autocast=autocast,
+            documents=documents,
         )
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
         ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
@@ -276,6 +280,7 @@ def run(cfg: Config) -> int:
                     micro_batches=grad_accum,
                     autocast=autocast,
                     dp_group=dims.dp_group,
+                    boundaries=loader.boundaries,
                 )
         stopping = False
         if step % cfg.train.log_every == 0 or last or val_loss is not None:

@@ -3,6 +3,7 @@
     tok = build_tokenizer(cfg.data)
     loader = build_loader(cfg.data, tok, global_batch_size=G, dp_rank=r, dp_size=dp)
     x = loader.next_batch()          # (G // dp, seq_len + 1); inputs x[:, :-1], labels x[:, 1:]
+    docs = loader.boundaries(x[:, :-1])  # with data.document_mask: where its documents are
     ev = build_eval_batches(cfg.data, tok, batches=4, global_batch_size=G, dp_rank=r, dp_size=dp)
     loader.state_dict() / loader.load_state_dict(d)   # the global position, dp-size free
 
@@ -12,6 +13,7 @@ and data/token_cache.py for the prepared, memory-mapped token files of data=hf
 """
 
 from data.config import DataConfig
+from data.documents import DocumentBoundaries, Documents
 from data.loader import (
     PackedLoader,
     StreamingLoader,
@@ -24,6 +26,8 @@ from data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 __all__ = [
     "ByteTokenizer",
     "DataConfig",
+    "DocumentBoundaries",
+    "Documents",
     "HFTokenizer",
     "PackedLoader",
     "StreamingLoader",

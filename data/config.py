@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 @dataclass
 class DataConfig:
-    #: embedded (Python stdlib source text, byte tokenizer, no download) | hf
+    #: embedded (Python stdlib source text, byte tokenizer, no download) | hf | synthetic
+    #: (documents of random tokens with lengths from data.doc_len / data.doc_len_dist: for
+    #: benchmarks of document masking; nothing to learn)
     name: str = "embedded"
     #: hf: a hub dataset name, or local files/dir (jsonl, json, parquet, txt; globs allowed).
     path: str | None = None
@@ -20,6 +22,16 @@ class DataConfig:
     tokenizer: str = "byte"
     #: Training sequence length (tokens per sample); packed, no padding.
     seq_len: int = 256
+    #: Attention stays inside each document of a packed sample, and RoPE positions restart at
+    #: each document (Llama 3's masking); false: causal over the whole sample, across
+    #: document boundaries. The boundaries are found from the BOS/EOS tokens packing puts
+    #: around every document (data/documents.py). See docs/DATA.md for the figures behind
+    #: the default.
+    document_mask: bool = True
+    #: synthetic: mean document length in tokens (BOS and EOS included), and how lengths are
+    #: drawn: fixed (every document doc_len tokens) | exponential (geometric, mean doc_len).
+    doc_len: int = 2048
+    doc_len_dist: str = "fixed"
     #: embedded: cap on corpus size in bytes.
     max_bytes: int = 8_000_000
     #: Seed of the sample order (independent of the model seed).

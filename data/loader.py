@@ -32,12 +32,14 @@ import numpy as np
 import torch
 
 from data.config import DataConfig
+from data.documents import DocumentBoundaries
 from data.packing import pack_dataset, stream_samples
 from data.sources import (
     check_text_field,
     embedded_dataset,
     eval_documents,
     hf_dataset,
+    synthetic_tokens,
     training_documents,
 )
 from data.token_cache import load_tokens
@@ -68,6 +70,8 @@ class _Position:
         self.epoch = 0
         self.epoch_start = 0
         self.samples_per_epoch: int | None = None
+        #: data.document_mask's boundary rule, set by build_loader (None: no masking).
+        self.boundaries: DocumentBoundaries | None = None
 
     def _too_small(self, n: int) -> Exception:
         return ConfigError(
@@ -247,7 +251,25 @@ def build_loader(
 ) -> PackedLoader | StreamingLoader:
     """This rank's loader; `next_batch()` gives its (G/dp, seq_len+1) rows of the next batch.
     `hold_out`: leave out the documents held out for evaluation (data.eval_fraction; see
-    `build_eval_batches`)."""
+    `build_eval_batches`). `loader.boundaries` is the tokenizer's document-boundary rule
+    (inputs -> data.documents.Documents) with data.document_mask, else None: the documents
+    of a batch are read from its own tokens, so the order and the resume position are the
+    same with masking on or off."""
+    loader = _build_loader(
+        cfg,
+        tok,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        hold_out=hold_out,
+    )
+    loader.boundaries = DocumentBoundaries(tok.bos_id, tok.eos_id) if cfg.document_mask else None
+    return loader
+
+
+def _build_loader(
+    cfg: DataConfig, tok, *, global_batch_size: int, dp_rank: int, dp_size: int, hold_out: bool
+) -> PackedLoader | StreamingLoader:
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     if global_batch_size <= 0 or global_batch_size % dp_size:
@@ -272,8 +294,16 @@ def build_loader(
             more_data_hint="raise data.max_bytes",
             **layout,
         )
+    if cfg.name == "synthetic":
+        return PackedLoader(
+            synthetic_tokens(cfg, tok),
+            shuffle=cfg.shuffle,
+            shuffle_seed=cfg.shuffle_seed,
+            more_data_hint="raise data.max_bytes",
+            **layout,
+        )
     if cfg.name != "hf":
-        raise ConfigError(f"data.name={cfg.name!r} is not one of embedded, hf")
+        raise ConfigError(f"data.name={cfg.name!r} is not one of embedded, hf, synthetic")
 
     ds = hf_dataset(cfg)
     check_text_field(ds, cfg)

@@ -16,7 +16,7 @@ import datasets
 import numpy as np
 
 from data.config import DataConfig
-from data.tokenizer import one_line
+from data.tokenizer import one_line, token_dtype
 from errors import ConfigError
 
 # --- embedded corpus ---------------------------------------------------------------------
@@ -71,6 +71,37 @@ def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:
             "use data=hf with data.path=<your text files>"
         )
     return datasets.Dataset.from_dict({"path": paths, "text": texts})
+
+
+# --- synthetic documents -----------------------------------------------------------------
+
+
+def synthetic_tokens(cfg: DataConfig, tok) -> np.ndarray:
+    """data=synthetic: a token stream of data.max_bytes tokens packed as every corpus is
+    ([BOS] ids [EOS] per document), ids drawn uniformly from the tokenizer's ordinary ids and
+    document lengths (BOS and EOS included) of exactly data.doc_len tokens (fixed) or drawn
+    from a geometric distribution with mean data.doc_len (exponential). Seeded, so every rank
+    and every resume builds the same stream; made for throughput measurements at a known
+    document length."""
+    if cfg.max_bytes <= 0:
+        raise ConfigError(f"data.max_bytes={cfg.max_bytes} must be > 0")
+    rng = np.random.default_rng([7, cfg.doc_len])
+    count = -(-cfg.max_bytes // cfg.doc_len) * 2  # enough documents for max_bytes tokens
+    if cfg.doc_len_dist == "fixed":
+        lengths = np.full(count, cfg.doc_len, dtype=np.int64)
+    else:  # 2 + (geometric - 1): at least BOS and EOS, mean doc_len
+        lengths = 1 + rng.geometric(1 / max(cfg.doc_len - 1, 1), size=count)
+    ends = np.cumsum(lengths)
+    lengths = lengths[: np.searchsorted(ends, cfg.max_bytes) + 1]
+    ends = np.cumsum(lengths)
+    specials = {tok.eos_id} | ({tok.bos_id} if tok.bos_id is not None else set())
+    ordinary = min(specials)  # the byte tokenizer's and Llama's specials follow the ordinary ids
+    tokens = rng.integers(0, ordinary, size=int(ends[-1]), dtype=np.int64)
+    starts = ends - lengths
+    tokens[ends - 1] = tok.eos_id
+    if tok.bos_id is not None:
+        tokens[starts] = tok.bos_id
+    return tokens[: cfg.max_bytes].astype(token_dtype(tok))
 
 
 # --- Hugging Face datasets ---------------------------------------------------------------

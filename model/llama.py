@@ -24,6 +24,8 @@ per-rank halves), so no tensor's global layout depends on the tensor-parallel de
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,9 @@ from torch import nn
 from model.config import ModelConfig
 from model.loss import fused_linear_cross_entropy
 from model.rope import apply_rope, rope_freqs
+
+if TYPE_CHECKING:  # the model reads documents' fields only (data/documents.py)
+    from data.documents import Documents
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,7 +106,9 @@ class Attention(nn.Module):
         self.layernorm_qkv = LayerNormQKV(cfg)
         self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
 
-    def forward(self, x, freqs):
+    def forward(self, x, freqs, positions=None, mask=None):
+        """positions / mask: per-document RoPE positions and `document_causal_mask` (both
+        None: causal over the whole row)."""
         b, s, _ = x.shape
         # (b, s, groups, q_per_kv + 2, head_dim), split as TE does. Under tensor parallelism
         # the projection holds a contiguous run of whole KV groups: infer how many.
@@ -109,10 +116,10 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_per_kv, 1, 1], dim=3)
         # Query head index = group * q_per_kv + j, so group g's queries read K/V head g.
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        q, k = apply_rope(q, freqs, positions), apply_rope(k, freqs, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
         )
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -139,9 +146,17 @@ class Block(nn.Module):
         self.self_attention = Attention(cfg)
         self.layernorm_mlp = LayerNormMLP(cfg)
 
-    def forward(self, x, freqs):
-        x = x + self.self_attention(x, freqs)
+    def forward(self, x, freqs, positions=None, mask=None):
+        x = x + self.self_attention(x, freqs, positions, mask)
         return x + self.layernorm_mlp(x)
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) boolean attention mask from per-document positions (B, S): query j sees
+    key i when i <= j and i is in j's document, i.e. i >= j - positions[j]."""
+    idx = torch.arange(positions.shape[1], device=positions.device)
+    query, key = idx[:, None], idx[None, :]
+    return ((key <= query) & (key >= query - positions[:, :, None]))[:, None]
 
 
 def output_head(model: nn.Module, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
@@ -178,8 +193,19 @@ class Llama(nn.Module):
         """Recompute non-persistent buffers after meta-device construction + to_empty."""
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """documents: attention and RoPE positions restart at each document (a batch with no
+        boundary inside its rows is plain causal attention)."""
+        positions = mask = None
+        if documents is not None and not documents.whole_rows:
+            positions = documents.positions
+            mask = document_causal_mask(positions)
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, self.freqs)
+            x = layer(x, self.freqs, positions, mask)
         return output_head(self, self.norm(x), labels)

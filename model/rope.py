@@ -44,9 +44,16 @@ def rope_freqs(
     return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x: (batch, seq, heads, head_dim); freqs from `rope_freqs`. Computed in fp32."""
-    f = freqs[: x.shape[1]].transpose(0, 1)  # (1, seq, 1, head_dim)
+def apply_rope(
+    x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: (batch, seq, heads, head_dim); freqs from `rope_freqs`. Computed in fp32.
+    positions: (batch, seq) position of each token (restarting at each document); None means
+    0..seq-1 in every row."""
+    if positions is None:
+        f = freqs[: x.shape[1]].transpose(0, 1)  # (1, seq, 1, head_dim)
+    else:
+        f = freqs[positions][:, :, 0]  # (batch, seq, 1, head_dim)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)

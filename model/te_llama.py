@@ -42,6 +42,8 @@ communication itself.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import transformer_engine.pytorch as te
 from torch import nn
@@ -51,6 +53,23 @@ from model.llama import Linear, RMSNorm, output_head
 from model.rope import rope_freqs
 from recipes.config import RecipeConfig
 from recipes.recipe import Recipe
+
+if TYPE_CHECKING:  # the model reads documents' fields only (data/documents.py)
+    from data.documents import Documents
+
+
+def _attention_layout_hook(layer, args, kwargs):
+    """A block called with `cu_seqlens_q` runs its attention on THD tensors (documents packed
+    along the token dimension), otherwise in the layout it was built with. TE's
+    MultiheadAttention reads its layout from `qkv_format` at each call (reshapes, fused RoPE,
+    the attention call), so setting it from the call's own arguments keeps the two paths in
+    one module, and a recompute under activation checkpointing (which calls the block again
+    with the same arguments, hooks included) runs in the layout of its forward."""
+    attention = layer.self_attention
+    if not hasattr(attention, "built_qkv_format"):
+        attention.built_qkv_format = attention.qkv_format
+    thd = kwargs.get("cu_seqlens_q") is not None
+    attention.qkv_format = "thd" if thd else attention.built_qkv_format
 
 
 class TELlama(nn.Module):
@@ -133,23 +152,63 @@ class TELlama(nn.Module):
             self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, v).to(params_dtype)
         freqs = rope_freqs(cfg, cfg.max_seq_len, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
+        for layer in self.layers:
+            layer.register_forward_pre_hook(_attention_layout_hook, with_kwargs=True)
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers after meta-device construction + to_empty."""
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         """The blocks run inside the recipe's TE autocast (bf16_layers with quantization off);
-        the embedding, final norm and head are plain modules and run in high precision."""
+        the embedding, final norm and head are plain modules and run in high precision.
+        `documents` (on this device): attention and RoPE positions restart at each document,
+        in TE's THD layout; a batch with no boundary inside its rows runs the causal path
+        (the same mask, TE's faster kernel for it)."""
+        if documents is not None and not documents.whole_rows:
+            return self._forward_documents(tokens, labels, documents)
         x = self.embed(tokens)
         seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         freqs = self.freqs[:seq]
         if self.attn_input_format == "sbhd":
             x = x.transpose(0, 1).contiguous()
-        with self.recipe.autocast():
-            for i, layer in enumerate(self.layers):
-                with self.recipe.layer_autocast(i):
-                    x = layer(x, rotary_pos_emb=freqs)
+        x = self._blocks(x, rotary_pos_emb=freqs)
         if self.attn_input_format == "sbhd":
             x = x.transpose(0, 1).contiguous()
         return output_head(self, self.norm(x), labels)
+
+    def _forward_documents(self, tokens, labels, documents: Documents) -> torch.Tensor:
+        """THD: the batch is one packed stream of B*S tokens (row after row), cut into the
+        documents by `cu_seqlens`. The embedding runs on it as a (1, B*S) batch, so sequence
+        parallelism splits that stream into contiguous pieces, the order TE's gathers along
+        the token dimension restore."""
+        b, s = tokens.shape
+        x = self.embed(tokens.reshape(1, b * s)).squeeze(0)  # (T, D), or (T / tp, D) with SP
+        # TE sizes its kernels by max_seqlen; rounded up to 64 as TE rounds it itself, so
+        # batches of similar documents share TE's cached attention graphs.
+        max_seqlen = -(-documents.max_seqlen // 64) * 64
+        x = self._blocks(
+            x,
+            rotary_pos_emb=self.freqs,
+            self_attn_mask_type="padding_causal",
+            cu_seqlens_q=documents.cu_seqlens,
+            cu_seqlens_kv=documents.cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+        )
+        out = output_head(
+            self, self.norm(x.unsqueeze(0)), None if labels is None else labels.reshape(1, -1)
+        )
+        return out if labels is not None else out.view(b, s, -1)
+
+    def _blocks(self, x: torch.Tensor, **attention) -> torch.Tensor:
+        with self.recipe.autocast():
+            for i, layer in enumerate(self.layers):
+                with self.recipe.layer_autocast(i):
+                    x = layer(x, **attention)
+        return x

@@ -78,12 +78,14 @@ def config_yaml(cfg: ModelConfig = MODEL) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured({"model": cfg}))
 
 
-def full_logits_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+def full_logits_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, documents=None
+):
     """A train_step loss_fn: mean cross entropy over every logit column, the vocabulary
     padding included (labels of -100 ignored). These tests have always computed their loss
     this way; train.next_token_loss leaves the padding columns out, which would change
-    every loss they compare."""
-    logits = model(inputs)
+    every loss they compare. `documents`: document-masked attention (data/documents.py)."""
+    logits = model(inputs) if documents is None else model(inputs, documents=documents)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 

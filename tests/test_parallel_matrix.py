@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from data.documents import DocumentBoundaries
 from model.config import ModelConfig
 from model.init import full_init_value, init_weights
-from model.llama import Linear, Llama, RMSNorm, output_head, rms_norm
+from model.llama import Linear, Llama, RMSNorm, document_causal_mask, output_head, rms_norm
 from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
@@ -60,9 +61,25 @@ def tiny_cfg(tie: bool = False) -> ModelConfig:
     )
 
 
-def batches(cfg: ModelConfig, steps: int) -> torch.Tensor:
+#: Document-masked cases: token DOC_BOS starts a document (data/documents.py's rule for a
+#: tokenizer whose BOS differs from its EOS); `batches` places it at ~1 in 6 positions, so
+#: most rows hold several documents and some hold one.
+DOC_BOS, DOC_EOS = 0, 1
+BOUNDARIES = DocumentBoundaries(DOC_BOS, DOC_EOS)
+
+
+def batches(cfg: ModelConfig, steps: int, documents: bool = False) -> torch.Tensor:
     g = torch.Generator().manual_seed(123)
-    return torch.randint(0, cfg.vocab_size, (steps, GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    data = torch.randint(0, cfg.vocab_size, (steps, GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    if documents:  # drawn step by step: the first steps do not depend on `steps`
+        g.manual_seed(321)
+        for batch in data:
+            batch[torch.rand(batch.shape, generator=g) < 1 / 6] = DOC_BOS
+    return data
+
+
+def documents_of(seq: torch.Tensor, documents: bool):
+    return BOUNDARIES(seq[:, :-1]) if documents else None
 
 
 def rank_slice(data: torch.Tensor, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
@@ -70,13 +87,21 @@ def rank_slice(data: torch.Tensor, step: int, dp_rank: int, dp_size: int) -> tor
     return data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
 
-def train(model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None, opt=None) -> list[float]:
+def train(
+    model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None, opt=None, documents=False
+) -> list[float]:
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for step in range(data.shape[0]):
         seq = rank_slice(data, step, dp_rank, dp_size)
         loss, _ = train_step(
-            model, opt, seq[:, :-1], seq[:, 1:], grad_clip=1.0, loss_fn=full_logits_loss
+            model,
+            opt,
+            seq[:, :-1],
+            seq[:, 1:],
+            grad_clip=1.0,
+            loss_fn=full_logits_loss,
+            documents=documents_of(seq, documents),
         )
         if dp_group is not None:
             torch.distributed.all_reduce(loss, group=dp_group)
@@ -85,23 +110,23 @@ def train(model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None, opt=No
     return losses
 
 
-def first_grads(model, data, dp_rank: int = 0, dp_size: int = 1) -> None:
+def first_grads(model, data, dp_rank: int = 0, dp_size: int = 1, documents=False) -> None:
     """Forward and backward of the first batch (step 1's gradients), leaving them in .grad."""
     seq = rank_slice(data, 0, dp_rank, dp_size)
-    full_logits_loss(model, seq[:, :-1], seq[:, 1:]).backward()
+    full_logits_loss(model, seq[:, :-1], seq[:, 1:], documents_of(seq, documents)).backward()
 
 
-def reference_losses(tie: bool) -> list[float]:
+def reference_losses(tie: bool, documents: bool = False) -> list[float]:
     cfg = tiny_cfg(tie)
     model = Llama(cfg)
     init_weights(model, cfg, SEED)
-    return train(model, batches(cfg, STEPS))
+    return train(model, batches(cfg, STEPS, documents), documents=documents)
 
 
-def reference_first_grads(cfg) -> dict[str, torch.Tensor]:
+def reference_first_grads(cfg, documents: bool = False) -> dict[str, torch.Tensor]:
     model = Llama(cfg)
     init_weights(model, cfg, SEED)
-    first_grads(model, batches(cfg, 1))
+    first_grads(model, batches(cfg, 1, documents), documents=documents)
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -138,18 +163,18 @@ def build_parallel(cfg, pcfg, impl, world_size):
     return dims, model
 
 
-def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path):
+def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path, documents):
     torch.set_num_threads(1)
     cfg = tiny_cfg(tie)
     pcfg = ParallelConfig(**pcfg_kwargs)
     dims, model = build_parallel(cfg, pcfg, impl, world_size)
     seen_qkv = record_forward_qkv(model)
-    data = batches(cfg, STEPS)
-    first_grads(model, data, dims.dp_rank, dims.dp_size)
-    grad_err = check_first_grads(model, reference_first_grads(cfg))
+    data = batches(cfg, STEPS, documents)
+    first_grads(model, data, dims.dp_rank, dims.dp_size, documents)
+    grad_err = check_first_grads(model, reference_first_grads(cfg, documents))
     check_local_qkv_groups(seen_qkv, cfg, dims.tp_rank, dims.tp)
     model.zero_grad(set_to_none=True)
-    losses = train(model, data, dims.dp_rank, dims.dp_size, dims.dp_group)
+    losses = train(model, data, dims.dp_rank, dims.dp_size, dims.dp_group, documents=documents)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "grad_err": grad_err}, f)
@@ -206,21 +231,32 @@ class _MockAttention(torch.nn.Module):
         self.layernorm_qkv = _MockLayerNormQKV(cfg, tp, group, sp)
         self.proj = _MockRowLinear(cfg.n_heads * cfg.head_dim // tp, cfg.dim, group, sp)
 
-    def forward(self, x, freqs):
+    def forward(self, x, freqs, cu_seqlens=None):
         qkv = self.layernorm_qkv(x)
-        if self.sp:  # sbhd -> bshd for the attention core
+        thd = cu_seqlens is not None
+        if thd:  # (T, ...): one packed stream, cut into documents by cu_seqlens
+            qkv = qkv.unsqueeze(0)
+        elif self.sp:  # sbhd -> bshd for the attention core
             qkv = qkv.transpose(0, 1)
         b, s, _ = qkv.shape
         # TE's split (multi_head_attention.py, qkv_weight_interleaved): local KV groups.
         qkv = qkv.reshape(b, s, -1, self.q_per_kv + 2, self.hd)
         q, k, v = qkv.split([self.q_per_kv, 1, 1], dim=3)
         q, k, v = (t.reshape(b, s, -1, self.hd) for t in (q, k, v))
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        positions = mask = None
+        if thd:  # TE's fused RoPE restarts at every cu_seqlens offset; attention stays inside
+            tokens = torch.arange(s)
+            first = cu_seqlens[torch.searchsorted(cu_seqlens[1:], tokens, right=True)]
+            positions = (tokens - first)[None]
+            mask = document_causal_mask(positions)
+        q, k = apply_rope(q, freqs, positions), apply_rope(k, freqs, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
         )
         out = out.transpose(1, 2).reshape(b, s, -1)
+        if thd:
+            return self.proj(out.squeeze(0))
         return self.proj(out.transpose(0, 1) if self.sp else out)
 
 
@@ -249,8 +285,8 @@ class _MockTransformerLayer(torch.nn.Module):
         self.self_attention = _MockAttention(cfg, tp, group, sp)
         self.layernorm_mlp = _MockLayerNormMLP(cfg, tp, group, sp)
 
-    def forward(self, x, rotary_pos_emb):
-        x = x + self.self_attention(x, rotary_pos_emb)
+    def forward(self, x, rotary_pos_emb, cu_seqlens_q=None, **thd):
+        x = x + self.self_attention(x, rotary_pos_emb, cu_seqlens_q)
         return x + self.layernorm_mlp(x)
 
 
@@ -276,7 +312,16 @@ class MockTELlama(torch.nn.Module):
     def reset_buffers(self):
         self.freqs = rope_freqs(self.cfg, self.cfg.max_seq_len, device=self.embed.weight.device)
 
-    def forward(self, tokens, labels=None):
+    def forward(self, tokens, labels=None, documents=None):
+        if documents is not None and not documents.whole_rows:  # te_llama's THD path
+            b, s = tokens.shape
+            x = self.embed(tokens.reshape(1, b * s)).squeeze(0)
+            for layer in self.layers:
+                x = layer(x, rotary_pos_emb=self.freqs, cu_seqlens_q=documents.cu_seqlens)
+            out = output_head(
+                self, self.norm(x.unsqueeze(0)), None if labels is None else labels.reshape(1, -1)
+            )
+            return out if labels is not None else out.view(b, s, -1)
         x = self.embed(tokens)
         seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         freqs = self.freqs[:seq]
@@ -328,22 +373,29 @@ def check_local_qkv_groups(seen, cfg, tp_rank: int, tp: int) -> None:
         assert torch.equal(local, want.reshape(-1, cfg.dim)), f"{name}: tp rank {tp_rank}"
 
 
-_REF_CACHE: dict[bool, list[float]] = {}
+_REF_CACHE: dict[tuple[bool, bool], list[float]] = {}
 
 
-def run_layout(tmp_path, world_size: int, tie: bool = False, impl: str = "torch", **pcfg_kwargs):
-    if tie not in _REF_CACHE:
-        _REF_CACHE[tie] = reference_losses(tie)
-    ref = _REF_CACHE[tie]
+def run_layout(
+    tmp_path,
+    world_size: int,
+    tie: bool = False,
+    impl: str = "torch",
+    documents: bool = False,
+    **pcfg_kwargs,
+):
+    if (tie, documents) not in _REF_CACHE:
+        _REF_CACHE[tie, documents] = reference_losses(tie, documents)
+    ref = _REF_CACHE[tie, documents]
     out = os.path.join(tmp_path, "losses.json")
     t0 = time.time()
-    run_distributed(_layout_worker, world_size, pcfg_kwargs, tie, impl, out)
+    run_distributed(_layout_worker, world_size, pcfg_kwargs, tie, impl, out, documents)
     with open(out) as f:
         result = json.load(f)
     got = result["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(got, ref)]
     print(
-        f"\n{impl} {pcfg_kwargs} tie={tie}: step1 rel {rel[0]:.2e}, max rel over {STEPS} steps "
+        f"\n{impl} {pcfg_kwargs} tie={tie} documents={documents}: step1 rel {rel[0]:.2e}, max rel over {STEPS} steps "
         f"{max(rel):.2e}, step-1 grads {result['grad_err']:.2e}, loss {ref[0]:.4f} -> {ref[-1]:.4f}, {time.time() - t0:.1f}s"
     )
     assert rel[0] <= STEP1_RTOL, f"step-1 loss {got[0]} vs 1-process {ref[0]}"
@@ -383,6 +435,21 @@ def test_layout_matches_single_process(case, tmp_path):
     run_layout(str(tmp_path), world, **kw)
 
 
+#: Document-masked attention (data.document_mask) on every layout, activation checkpointing
+#: modes included, against the single-process reference with the same documents.
+DOC_CASES = {
+    name: CASES[name]
+    for name in ("fsdp2", "ddp2", "hsdp2x2", "tp2", "fsdp2_tp2_ac", "fsdp2_tp2_ac_mlp_every2")
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DOC_CASES))
+def test_document_masked_layout_matches_single_process(case, tmp_path):
+    world, kw = DOC_CASES[case]
+    run_layout(str(tmp_path), world, documents=True, **kw)
+
+
 @pytest.mark.slow
 def test_fsdp_tied_embeddings(tmp_path):
     run_layout(str(tmp_path), 2, tie=True, name="fsdp", dp_shard=-1)
@@ -412,10 +479,11 @@ TE_CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("case", list(TE_CASES))
-def test_te_tp_path_matches_single_process(case, tmp_path):
+def test_te_tp_path_matches_single_process(case, documents, tmp_path):
     world, kw, tie = TE_CASES[case]
-    run_layout(str(tmp_path), world, tie=tie, impl="te", **kw)
+    run_layout(str(tmp_path), world, tie=tie, impl="te", documents=documents, **kw)
 
 
 # Fused QKV under tp=2 with two KV groups per rank, forward only (fast): the gathered DTensor

@@ -6,10 +6,18 @@
     python tools/bench_step.py --nproc 2 --case llama3_8b:fsdp:bf16:none:1 --case llama3_8b:fsdp:fp8_cs:mlp:1
     python tools/bench_step.py --case tiny:fsdp:bf16:none:16 --seq 256 --steps 6 --warmup 2   # CPU
 
-A case is `model:layout:recipe:activation_checkpointing:micro_batch`, where recipe may end in
-`+q` (recipe.quantized_init=true) and activation_checkpointing is none, full, mlp or selective,
-optionally with `/N` for every N-th block (`full/2`). Each case runs `train.py` in its own
-process (or torchrun job) on the embedded data with `checkpoint=none`, global batch = micro
+A case is `model:layout:recipe:activation_checkpointing:micro_batch[:documents]`, where recipe
+may end in `+q` (recipe.quantized_init=true) and activation_checkpointing is none, full, mlp or
+selective, optionally with `/N` for every N-th block (`full/2`). `documents` sets the document
+lengths: `fixed/N` (every document N tokens) or `exp/N` (lengths drawn from a geometric
+distribution with mean N), on data=synthetic with document-masked attention, or `causal`
+(the same synthetic data, causal attention across documents: data.document_mask=false):
+
+    python tools/bench_step.py --case llama3_1b:fsdp:bf16:none:4:causal \
+        --case llama3_1b:fsdp:bf16:none:4:fixed/8192 --case llama3_1b:fsdp:bf16:none:4:exp/2048
+
+Without it a case trains on the embedded data with train.py's default masking. Each case runs
+`train.py` in its own process (or torchrun job) with `checkpoint=none`, global batch = micro
 batch x data-parallel size (no accumulation), `--steps` steps logged every step; the figures
 are the medians over the steps after `--warmup` (tokens/s per device and MFU as train.py
 reports them: MFU against the GPU's dense bf16 peak, 989 TFLOP/s on H100/H200), and the peak
@@ -47,9 +55,31 @@ DEFAULT_CASES = [
 ]
 
 
+DOC_LENGTHS = {"fixed": "fixed", "exp": "exponential"}
+
+
+def parse_documents(text: str) -> dict:
+    """A case's documents field -> train.py's data settings ({} for the default data)."""
+    if not text:
+        return {}
+    if text == "causal":
+        return {"data": "synthetic", "data.document_mask": "false"}
+    dist, _, mean = text.partition("/")
+    if dist not in DOC_LENGTHS or int(mean) < 2:
+        raise ValueError(text)
+    return {
+        "data": "synthetic",
+        "data.document_mask": "true",
+        "data.doc_len": mean,
+        "data.doc_len_dist": DOC_LENGTHS[dist],
+    }
+
+
 def parse_case(text: str) -> dict:
     try:
-        model, layout, recipe, ac, mbs = text.split(":")
+        model, layout, recipe, ac, mbs, *documents = text.split(":")
+        if len(documents) > 1:
+            raise ValueError(text)
         mode, _, every = ac.partition("/")
         return dict(
             case=text,
@@ -60,10 +90,13 @@ def parse_case(text: str) -> dict:
             ac=mode,
             ac_every=int(every or 1),
             mbs=int(mbs),
+            documents=documents[0] if documents else "",
+            data=parse_documents(documents[0] if documents else ""),
         )
     except ValueError:
         raise SystemExit(
-            f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp|selective[/N]:micro_batch"
+            f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp|selective[/N]:"
+            "micro_batch[:causal|fixed/N|exp/N]"
         ) from None
 
 
@@ -88,6 +121,7 @@ def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
         f"run.root={run_root}",
         f"run.name=bench{case['index']}",
     ]
+    out += [f"{key}={value}" for key, value in case["data"].items()]
     if case["quantized_init"]:
         out.append("recipe.quantized_init=true")
     if case["ac"] != "none":  # older checkouts have no such field: leave it out when off
@@ -145,12 +179,16 @@ def run_case(case: dict, args, run_root: str) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = "| model | layout | GPUs | recipe | act. ckpt | mbs | tokens/s/GPU | MFU | peak GiB |"
-    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
+    docs = any(r.get("documents") for r in results)
+    head = "| model | layout | GPUs | recipe | act. ckpt | mbs |" + (" documents |" if docs else "")
+    head += " tokens/s/GPU | MFU | peak GiB |"
+    rows = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in results:
         recipe = r["recipe"] + (" +q" if r["quantized_init"] else "")
         ac = r["ac"] + (f" /{r['ac_every']}" if r["ac_every"] > 1 else "")
         lead = f"| {r['model']} | {r['layout']} | {r['nproc']} | {recipe} | {ac} | {r['mbs']} |"
+        if docs:
+            lead += f" {r.get('documents') or 'default data'} |"
         if "error" in r:
             rows.append(f"{lead} FAILED: {str(r['error'])[:120]} | | |")
             continue
