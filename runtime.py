@@ -32,6 +32,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on `device`. To a GPU through pinned memory without waiting: a copy from
+    pageable memory may first wait for every kernel already queued (CUDA's rule for pageable
+    host-to-device copies), which would stall the step where the copy is made."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated GPU memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from data.documents import Documents
 from optim import clip_grad_norm
+from runtime import to_device
 
 
 def next_token_loss(
@@ -34,11 +35,11 @@ def next_token_loss(
 
 
 def _micro_batches(inputs, labels, documents: Documents | None, n: int, device):
-    """The n micro batches of (inputs, labels, documents), documents split on the CPU (where
-    their boundaries are known without a sync) and then moved next to the inputs."""
-    parts = [None] * n if documents is None else documents.chunk(n)
-    for x, y, d in zip(inputs.chunk(n), labels.chunk(n), parts):
-        yield x, y, d if d is None else d.to(device, non_blocking=True)
+    """The n micro batches of (inputs, labels, documents): documents split on the CPU (where
+    their boundaries are known without a sync) and all moved next to the inputs before the
+    first forward is queued."""
+    parts = [None] * n if documents is None else [d.to(device) for d in documents.chunk(n)]
+    return zip(inputs.chunk(n), labels.chunk(n), parts)
 
 
 def _loss(loss_fn, model, x, y, d):
@@ -99,7 +100,7 @@ def evaluate(
     total = torch.zeros((), device=device)
     for batch in batches:
         documents = None if boundaries is None else boundaries(batch[:, :-1])
-        batch = batch.to(device, non_blocking=True)
+        batch = to_device(batch, device)
         parts = _micro_batches(batch[:, :-1], batch[:, 1:], documents, micro_batches, device)
         for x, y, d in parts:
             with autocast if autocast is not None else nullcontext():

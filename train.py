@@ -47,7 +47,14 @@ from optim import apply_config, build_optimizer, build_scheduler
 from parallel import ParallelDims, parallelize
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_recipe, check_recipe_layout
-from runtime import EXIT_REQUEUE, StopSignal, exit_status, peak_memory_gb, pick_device
+from runtime import (
+    EXIT_REQUEUE,
+    StopSignal,
+    exit_status,
+    peak_memory_gb,
+    pick_device,
+    to_device,
+)
 from steps import evaluate, train_step
 
 register_configs()
@@ -253,7 +260,7 @@ def run(cfg: Config) -> int:
         rows = loader.next_batch()
         # Document boundaries are read from the tokens on the CPU (data/documents.py).
         documents = None if loader.boundaries is None else loader.boundaries(rows[:, :-1])
-        batch = rows.to(device, non_blocking=True)
+        batch = to_device(rows, device)
         loss, grad_norm = train_step(
             model,
             optimizer,

@@ -25,8 +25,8 @@ class DataConfig:
     #: Attention stays inside each document of a packed sample, and RoPE positions restart at
     #: each document (Llama 3's masking); false: causal over the whole sample, across
     #: document boundaries. The boundaries are found from the BOS/EOS tokens packing puts
-    #: around every document (data/documents.py). See docs/DATA.md for the figures behind
-    #: the default.
+    #: around every document (data/documents.py). docs/DOCUMENT_MASKING.md has the figures
+    #: behind the default.
     document_mask: bool = True
     #: synthetic: mean document length in tokens (BOS and EOS included), and how lengths are
     #: drawn: fixed (every document doc_len tokens) | exponential (geometric, mean doc_len).

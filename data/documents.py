@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime import to_device
+
 
 def document_starts(inputs: np.ndarray, bos_id: int | None, eos_id: int) -> np.ndarray:
     """Boolean (B, S): True where a segment starts (see the module docstring's rule)."""
@@ -94,11 +96,10 @@ class Documents:
         """Split by rows as `Tensor.chunk(n)` splits the inputs (one part per micro batch)."""
         return [Documents.from_positions(p) for p in self.positions.chunk(n)]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Documents:
+    def to(self, device: torch.device | str) -> Documents:
+        """On `device` (to a GPU without waiting for the queued kernels: runtime.to_device)."""
         return Documents(
-            positions=self.positions.to(device, non_blocking=non_blocking),
-            cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
-            max_seqlen=self.max_seqlen,
+            to_device(self.positions, device), to_device(self.cu_seqlens, device), self.max_seqlen
         )
 
 

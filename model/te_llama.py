@@ -189,9 +189,10 @@ class TELlama(nn.Module):
         the token dimension restore."""
         b, s = tokens.shape
         x = self.embed(tokens.reshape(1, b * s)).squeeze(0)  # (T, D), or (T / tp, D) with SP
-        # TE sizes its kernels by max_seqlen; rounded up to 64 as TE rounds it itself, so
-        # batches of similar documents share TE's cached attention graphs.
-        max_seqlen = -(-documents.max_seqlen // 64) * 64
+        # TE sizes its attention kernels by max_seqlen and caches one cuDNN graph per value
+        # (a build costs far more than a step's attention): a power of two (at most the row
+        # length) keeps the values few whatever the documents' lengths.
+        max_seqlen = min(max(64, 1 << (documents.max_seqlen - 1).bit_length()), s)
         x = self._blocks(
             x,
             rotary_pos_emb=self.freqs,

@@ -244,3 +244,64 @@ def test_boundaries_of_a_tokenizer_surface():
     tok = SimpleNamespace(bos_id=None, eos_id=9)
     docs = DocumentBoundaries(tok.bos_id, tok.eos_id)(torch.tensor([[1, 9, 2, 3, 9, 9, 4]]))
     assert docs.positions.tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["token-cache", "streaming"])
+def test_hf_data_boundaries_are_the_documents(tmp_path, streaming):
+    """data=hf through the memmap token cache and the streaming path, with an AutoTokenizer
+    that has BOS and EOS and documents whose text spells them out: every batch's segments
+    start exactly where the documents start in the packed stream."""
+    import json
+
+    from data.tokenizer import build_tokenizer
+    from tests.test_data import make_local_tokenizer
+
+    tok = build_tokenizer(DataConfig(tokenizer=make_local_tokenizer(tmp_path / "tok")))
+    words = ["the", "cat", "sat", "on", "mat", "a", "dog", "[BOS]", "[EOS]"]
+    rng = np.random.default_rng(4)
+    texts = [" ".join(rng.choice(words, size=int(k))) for k in rng.integers(1, 12, size=80)]
+    (tmp_path / "d").mkdir()
+    with open(tmp_path / "d" / "a.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    lengths = [len(tok.encode(t)) + 2 for t in texts]
+    doc_starts = set(np.cumsum([0] + lengths[:-1]).tolist())
+    seq, G = 15, 4
+    cfg = DataConfig(
+        name="hf",
+        path=str(tmp_path / "d"),
+        tokenizer=str(tmp_path / "tok"),
+        seq_len=seq,
+        shuffle=False,
+        streaming=streaming,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    loader = build_loader(cfg, tok, global_batch_size=G, dp_rank=0, dp_size=1)
+    for t in range(sum(lengths) // ((seq + 1) * G)):
+        rows = loader.next_batch()
+        positions = loader.boundaries(rows[:, :-1]).positions
+        for r in range(G):
+            offset = (t * G + r) * (seq + 1)
+            want = [i == 0 or (offset + i) in doc_starts for i in range(seq)]
+            assert (positions[r] == 0).tolist() == want, (t, r)
+
+
+def test_evaluate_with_documents_is_the_mean_of_document_masked_losses():
+    """steps.evaluate with the boundary rule: each held-out batch split into micro batches,
+    each with its own documents, averaged; equals the model's document-masked loss per batch."""
+    from steps import evaluate
+
+    cfg = tiny_cfg()
+    model = Llama(cfg)
+    init_weights(model, cfg, 0)
+    rows = torch.cat([packed_batch(rows=4, seed=s)[0] for s in (11, 12)]).view(2, 4, SEQ)
+    boundaries = DocumentBoundaries(256, 257)
+    got = evaluate(model, rows, micro_batches=2, boundaries=boundaries)
+    want, causal = [], []
+    with torch.no_grad():
+        for batch in rows:
+            for part in batch.chunk(2):
+                x, y = part[:, :-1], part[:, 1:]
+                want.append(model(x, labels=y, documents=boundaries(x)).item())
+                causal.append(model(x, labels=y).item())
+    assert got == pytest.approx(sum(want) / len(want), rel=1e-6)
+    assert abs(got - sum(causal) / len(causal)) > 1e-3

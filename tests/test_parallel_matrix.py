@@ -461,8 +461,11 @@ def test_fsdp_tp_tied_embeddings(tmp_path):
 
 
 @pytest.mark.slow
-def test_hsdp_tp_8_processes(tmp_path):
-    run_layout(str(tmp_path), 8, name="hsdp_tp", dp_replicate=2, dp_shard=-1, tp=2)
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_hsdp_tp_8_processes(tmp_path, documents):
+    run_layout(
+        str(tmp_path), 8, documents=documents, name="hsdp_tp", dp_replicate=2, dp_shard=-1, tp=2
+    )
 
 
 # TE tensor parallel path (parallel/te_tp.py) on the CPU stand-in, with and without sequence
