@@ -349,6 +349,7 @@ RESUME_FREE = (
     "parallel.dp_shard",
     "parallel.tp",
     "parallel.cp",
+    "parallel.cp_comm_type",
     "parallel.reshard_after_forward",
     "parallel.sequence_parallel",
     "parallel.activation_checkpointing",

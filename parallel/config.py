@@ -9,12 +9,19 @@ from dataclasses import dataclass
 class ParallelConfig:
     #: ddp | fsdp | hsdp | tp | fsdp_tp | hsdp_tp
     name: str = "fsdp"
-    #: Degrees. Their product must equal the world size; dp_shard=-1 takes what is left.
+    #: Degrees (with cp below). Their product must equal the world size; dp_shard=-1 takes
+    #: what is left.
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
-    #: Reserved for context parallelism; must be 1.
+    #: Context parallelism: each sequence is split over this many ranks (load-balanced for
+    #: causal attention: 2 x cp chunks, rank r holds chunks r and 2cp-1-r; parallel/cp.py).
+    #: Parameters are not split along cp; FSDP shards them over dp_shard x cp.
     cp: int = 1
+    #: TE's context-parallel communication: p2p (ring of K/V exchanges overlapped with
+    #: attention) | all_gather (K/V gathered before attention) | a2a (heads exchanged,
+    #: Ulysses-style) | a2a+p2p (hierarchical). The reference model always all-gathers K/V.
+    cp_comm_type: str = "p2p"
     #: FSDP2: free the all-gathered weights after forward (re-gather in backward).
     reshard_after_forward: bool = True
     #: FSDP2 mixed precision: dtype of all-gathered params and of gradient reduction.

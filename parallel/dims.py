@@ -1,22 +1,31 @@
 """The one mesh object (docs/ARCHITECTURE.md, decision 3): degrees, validation, DeviceMesh, groups.
 
-Rank layout: the mesh is ("dp_replicate", "dp_shard", "tp") in row-major order, so tp is the
-fastest-varying dim (tp ranks are neighbours, i.e. inside one node) and
+Rank layout: the mesh is ("dp_replicate", "dp_shard", "cp", "tp") in row-major order, so tp is
+the fastest-varying dim (tp ranks are neighbours, i.e. inside one node), then cp, and
 
-    rank = (replicate_idx * dp_shard + shard_idx) * tp + tp_idx
-    dp_rank = rank // tp,  tp_rank = rank % tp
+    rank = ((replicate_idx * dp_shard + shard_idx) * cp + cp_idx) * tp + tp_idx
+    dp_rank = rank // (cp * tp),  cp_rank = (rank // tp) % cp,  tp_rank = rank % tp
 
 Views derived from it (nothing else in the repo builds process groups):
 
-    fsdp mesh           ("dp_replicate", "dp_shard"), or ("dp_shard",) when dp_replicate == 1
+    fsdp mesh           ("dp_replicate", "dp_shard_cp"), or ("dp_shard_cp",) when dp_replicate
+                        == 1: parameters are sharded over dp_shard x cp (context-parallel ranks
+                        hold the same weights and see different tokens, so they shard them as
+                        data-parallel ranks would) and gradients are averaged over every rank
+                        of it
     tp mesh             ("tp",)
-    dp group            dp_replicate x dp_shard flattened: data loading, loss/token reduction
-    weight_shard group  dp_shard x tp flattened: the ranks that hold pieces of one weight, the
-                        amax-reduction group of per-tensor-scaled recipes (never dp_replicate,
-                        whose ranks hold identical copies)
+    cp group            ("cp",): the ranks that split one sequence (parallel/cp.py)
+    dp group            dp_replicate x dp_shard flattened: the ranks that read different samples
+    loss group          dp_replicate x dp_shard x cp flattened: the ranks that compute different
+                        tokens, over which the logged and evaluated losses are averaged
+    weight_shard group  dp_shard x cp x tp flattened: the ranks that hold pieces of one weight,
+                        the amax-reduction group of per-tensor-scaled recipes (never
+                        dp_replicate, whose ranks hold identical copies)
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -26,7 +35,9 @@ from model.config import ModelConfig
 from parallel.ac import check_mode
 from parallel.config import ParallelConfig
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: TE's context-parallel communication types (parallel.cp_comm_type).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 
@@ -43,23 +54,30 @@ class ParallelDims:
     def __init__(self, cfg: ParallelConfig, world_size: int):
         self.cfg = cfg
         self.world_size = world_size
-        self.dp_replicate, self.dp_shard, self.tp = self._resolve(cfg, world_size)
+        self.dp_replicate, self.dp_shard, self.cp, self.tp = self._resolve(cfg, world_size)
         self.mesh = None
         self.dp_mesh = None
         self.weight_shard_mesh = None
+        self._fsdp_mesh = None
         self._dp_group = None
+        self._loss_group = None
         self._weight_shard_group = None
 
     @staticmethod
-    def _resolve(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
+    def _resolve(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
         if cfg.name not in LAYOUTS:
             raise ConfigError(f"parallel.name={cfg.name!r} is not one of {', '.join(LAYOUTS)}")
-        if cfg.cp != 1:
+        if cfg.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(
-                f"parallel.cp={cfg.cp} is reserved (context parallelism is not implemented); "
-                "set parallel.cp=1"
+                f"parallel.cp_comm_type={cfg.cp_comm_type!r} is not one of "
+                f"{', '.join(CP_COMM_TYPES)}"
             )
-        degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp}
+        degrees = {
+            "dp_replicate": cfg.dp_replicate,
+            "dp_shard": cfg.dp_shard,
+            "cp": cfg.cp,
+            "tp": cfg.tp,
+        }
         for name, d in degrees.items():
             if d == 0 or d < -1:
                 raise ConfigError(f"parallel.{name}={d} must be a positive degree or -1 (infer)")
@@ -81,13 +99,14 @@ class ParallelDims:
                     f"multiple of {known} processes"
                 )
             degrees[inferred[0]] = world_size // known
-        product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
+        product = 1
+        for d in degrees.values():
+            product *= d
         if product != world_size:
+            terms = " x ".join(f"parallel.{n}={d}" for n, d in degrees.items())
             raise ConfigError(
-                f"parallel.dp_replicate={degrees['dp_replicate']} x "
-                f"parallel.dp_shard={degrees['dp_shard']} x parallel.tp={degrees['tp']} = "
-                f"{product} != world size {world_size}; set one of them to -1 or launch "
-                f"{product} processes"
+                f"{terms} = {product} != world size {world_size}; set one of them to -1 or "
+                f"launch {product} processes"
             )
         if cfg.name.startswith("hsdp") and degrees["dp_replicate"] < 2:
             raise ConfigError(
@@ -97,7 +116,7 @@ class ParallelDims:
         check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)
         dtype_of(cfg.param_dtype, "param_dtype")
         dtype_of(cfg.reduce_dtype, "reduce_dtype")
-        return degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"]
+        return degrees["dp_replicate"], degrees["dp_shard"], degrees["cp"], degrees["tp"]
 
     def validate_model(self, mcfg: ModelConfig) -> None:
         """Tensor parallelism splits heads, KV heads, FFN columns and the (padded) vocabulary."""
@@ -123,11 +142,19 @@ class ParallelDims:
             )
 
     def validate_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
-        """Sequence parallelism splits each sequence over the tp ranks."""
-        if self.sequence_parallel and seq_len % self.tp:
+        """Context parallelism cuts each sequence into 2 x cp chunks; sequence parallelism
+        splits a rank's part of it over the tp ranks."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
             raise ConfigError(
-                f"{field}={seq_len} is not divisible by parallel.tp={self.tp}, which sequence "
-                f"parallelism needs; change it or set parallel.sequence_parallel=false"
+                f"{field}={seq_len} is not divisible by 2 x parallel.cp={2 * self.cp} (context "
+                f"parallelism cuts each sequence into 2 x cp chunks); change one of them"
+            )
+        local = seq_len // self.cp
+        if self.sequence_parallel and local % self.tp:
+            raise ConfigError(
+                f"{field}={seq_len} / parallel.cp={self.cp} = {local} tokens per rank is not "
+                f"divisible by parallel.tp={self.tp}, which sequence parallelism needs; change "
+                "it or set parallel.sequence_parallel=false"
             )
 
     # ---- sizes and coordinates (valid before build_mesh; rank from the process group) ----
@@ -142,12 +169,22 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        """Data-parallel index: the tp ranks of one data-parallel group share it (same samples)."""
-        return self.rank // self.tp
+        """Data-parallel index: the cp and tp ranks of one data-parallel group share it (same
+        samples)."""
+        return self.rank // (self.cp * self.tp)
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
+
+    @property
+    def loss_size(self) -> int:
+        """Ranks that compute different tokens of the global batch (dp x cp)."""
+        return self.dp_size * self.cp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -175,24 +212,34 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=DIM_NAMES,
         )
         # Keep the flattened views: slicing them back out of the root mesh is deprecated.
         self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        self.weight_shard_mesh = mesh["dp_shard", "tp"]._flatten("weight_shard")
+        loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.weight_shard_mesh = mesh["dp_shard", "cp", "tp"]._flatten("weight_shard")
+        shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.dp_replicate > 1:
+            # FSDP x TP needs the 2-D (replicate, shard) mesh as a slice of the root mesh, the
+            # one the tp mesh comes from; its shard dim is the flattened dp_shard x cp.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+        else:
+            self._fsdp_mesh = shard_cp
         self.mesh = mesh
         self._dp_group = self.dp_mesh.get_group()
+        self._loss_group = loss_mesh.get_group()
         self._weight_shard_group = self.weight_shard_mesh.get_group()
         return mesh
 
     @property
     def fsdp_mesh(self):
-        """Mesh handed to fully_shard: 2-D (replicate, shard) for HSDP/DDP, 1-D otherwise."""
-        if self.mesh is None:
-            return None
-        if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+        """Mesh handed to fully_shard: 2-D (replicate, dp_shard x cp) for HSDP/DDP, 1-D
+        (dp_shard x cp) otherwise."""
+        return self._fsdp_mesh
 
     @property
     def tp_mesh(self):
@@ -203,8 +250,16 @@ class ParallelDims:
         return self._dp_group
 
     @property
+    def loss_group(self):
+        return self._loss_group
+
+    @property
     def tp_group(self):
         return None if self.mesh is None else self.mesh["tp"].get_group()
+
+    @property
+    def cp_group(self):
+        return None if self.mesh is None else self.mesh["cp"].get_group()
 
     @property
     def weight_shard_group(self):
@@ -213,5 +268,6 @@ class ParallelDims:
     def __repr__(self) -> str:
         return (
             f"ParallelDims({self.cfg.name}: dp_replicate={self.dp_replicate}, "
-            f"dp_shard={self.dp_shard}, tp={self.tp}, world_size={self.world_size})"
+            f"dp_shard={self.dp_shard}, cp={self.cp}, tp={self.tp}, "
+            f"world_size={self.world_size})"
         )

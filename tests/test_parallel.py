@@ -106,8 +106,30 @@ def test_hsdp_needs_replicas():
     fails(ParallelConfig(name="hsdp_tp", dp_replicate=1, dp_shard=-1, tp=2), 4, "dp_replicate")
 
 
-def test_cp_reserved():
-    fails(ParallelConfig(cp=2), 2, "parallel.cp=2")
+@pytest.mark.parametrize(
+    "kw, world, expect",
+    [
+        (dict(name="fsdp", cp=2), 8, (1, 4, 2, 1)),
+        (dict(name="hsdp", dp_replicate=2, cp=2), 8, (2, 2, 2, 1)),
+        (dict(name="tp", dp_shard=1, tp=2, cp=-1), 8, (1, 1, 4, 2)),
+        (dict(name="fsdp_tp", cp=2, tp=2), 8, (1, 2, 2, 2)),
+    ],
+)
+def test_cp_resolves_with_every_degree(kw, world, expect):
+    dims = ParallelDims(ParallelConfig(**kw), world)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == expect
+    assert dims.loss_size == dims.dp_size * dims.cp
+
+
+def test_cp_errors_name_the_fields():
+    fails(ParallelConfig(name="tp", dp_shard=1, tp=2, cp=3), 8, "parallel.cp=3", "world size 8")
+    fails(ParallelConfig(cp=2, cp_comm_type="ring"), 2, "parallel.cp_comm_type='ring'", "p2p")
+    dims = ParallelDims(ParallelConfig(name="fsdp_tp", cp=2, tp=2), 4)
+    with pytest.raises(ConfigError, match=r"data.seq_len=6 is not divisible by 2 x parallel.cp"):
+        dims.validate_seq_len(6)
+    with pytest.raises(ConfigError, match=r"12 / parallel.cp=2 = 6 tokens per rank .*parallel.tp=4"):
+        ParallelDims(ParallelConfig(name="fsdp_tp", cp=2, tp=4), 8).validate_seq_len(12)
+    dims.validate_seq_len(8)
 
 
 def test_two_inferred_degrees():
@@ -149,13 +171,18 @@ def _groups(rank, world, all_degrees):
         _check_groups(rank, world, *degrees)
 
 
-def _check_groups(rank, world, dp_replicate, dp_shard, tp):
+def _check_groups(rank, world, dp_replicate, dp_shard, tp, cp=1):
     dims = ParallelDims(
-        ParallelConfig(name="fsdp_tp", dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp), world
+        ParallelConfig(name="fsdp_tp", dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp),
+        world,
     )
     dims.build_mesh("cpu")
-    assert dims.mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
-    assert (dims.dp_rank, dims.tp_rank) == (rank // tp, rank % tp)
+    assert dims.mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert (dims.dp_rank, dims.cp_rank, dims.tp_rank) == (
+        rank // (cp * tp),
+        rank // tp % cp,
+        rank % tp,
+    )
 
     def members(group):
         out = [None] * dist.get_world_size(group)
@@ -165,12 +192,22 @@ def _check_groups(rank, world, dp_replicate, dp_shard, tp):
     # tp ranks are neighbours; data-parallel peers share the tp index; the weight-sharding
     # group is one replica (dp_shard x tp), never spanning dp_replicate.
     assert members(dims.tp_group) == [rank // tp * tp + i for i in range(tp)]
-    assert members(dims.dp_group) == [i for i in range(world) if i % tp == rank % tp]
-    replica = rank // (dp_shard * tp)
+    same_cp_tp = [i for i in range(world) if i % (cp * tp) == rank % (cp * tp)]
+    assert members(dims.dp_group) == same_cp_tp
+    assert members(dims.loss_group) == [i for i in range(world) if i % tp == rank % tp]
+    assert members(dims.cp_group) == [
+        rank // (cp * tp) * cp * tp + j * tp + rank % tp for j in range(cp)
+    ]
+    replica = rank // (dp_shard * cp * tp)
     assert members(dims.weight_shard_group) == list(
-        range(replica * dp_shard * tp, (replica + 1) * dp_shard * tp)
+        range(replica * dp_shard * cp * tp, (replica + 1) * dp_shard * cp * tp)
     )
-    # Loaders: tp ranks of one data-parallel group read the same samples.
+    # FSDP shards over dp_shard x cp of one replica (and replicates over dp_replicate).
+    shard_dim = dims.fsdp_mesh.get_group(dims.fsdp_mesh.ndim - 1)
+    assert members(shard_dim) == [
+        i for i in range(world) if i // (dp_shard * cp * tp) == replica and i % tp == rank % tp
+    ]
+    # Loaders: cp and tp ranks of one data-parallel group read the same samples.
     ids = [None] * world
     dist.all_gather_object(ids, dims.dp_rank)
     assert sorted(set(ids)) == list(range(dims.dp_size))
@@ -178,7 +215,8 @@ def _check_groups(rank, world, dp_replicate, dp_shard, tp):
 
 @pytest.mark.slow
 def test_mesh_groups():
-    run_distributed(_groups, 4, [(2, 1, 2), (1, 2, 2), (2, 2, 1)])
+    run_distributed(_groups, 4, [(2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 1, 2, 2), (2, 1, 1, 2)])
+    run_distributed(_groups, 8, [(2, 1, 2, 2)])
 
 
 # ---- DCP with fc1's two-block tp shards (checkpoint/planners.py) ------------------------------------
