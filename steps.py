@@ -3,7 +3,12 @@ for every test and tool that trains (one definition, so they all train the same 
 
     loss, grad_norm = train_step(model, optimizer, inputs, labels, grad_accum=2, grad_clip=1.0,
                                  scheduler=scheduler, autocast=torch.autocast("cuda", torch.bfloat16))
-    val_loss = evaluate(model, held_out_batches, dp_group=dims.dp_group)
+    val_loss = evaluate(model, held_out_batches, dp_group=dims.loss_group)
+
+A batch of loader rows becomes this rank's (inputs, labels, documents) through `BatchLayout`:
+the document boundaries (data.document_mask) and, under context parallelism, this rank's
+part of every row (parallel/cp.py). `documents` is then a data.documents.Documents, a
+parallel.cp.ContextShard, or None.
 """
 
 from __future__ import annotations
@@ -16,7 +21,24 @@ from torch.distributed.fsdp import FSDPModule
 
 from data.documents import Documents
 from optim import clip_grad_norm
+from parallel.cp import shard_batch
 from runtime import to_device
+
+
+class BatchLayout:
+    """rows (B, S+1) on the CPU -> (inputs, labels, documents) of this rank, on the CPU."""
+
+    def __init__(self, boundaries=None, *, cp: int = 1, cp_rank: int = 0, cp_group=None):
+        self.boundaries, self.cp, self.cp_rank, self.cp_group = boundaries, cp, cp_rank, cp_group
+
+    def __call__(self, rows: torch.Tensor):
+        inputs, labels = rows[:, :-1], rows[:, 1:]
+        documents = None if self.boundaries is None else self.boundaries(inputs)
+        if self.cp > 1:
+            return shard_batch(
+                inputs, labels, documents, cp=self.cp, cp_rank=self.cp_rank, group=self.cp_group
+            )
+        return inputs, labels, documents
 
 
 def next_token_loss(
@@ -87,22 +109,23 @@ def evaluate(
     autocast: AbstractContextManager | None = None,
     dp_group=None,
     loss_fn=next_token_loss,
-    boundaries=None,
+    layout: BatchLayout | None = None,
 ) -> float:
     """Mean next-token loss over this rank's rows of the held-out `batches` (batches, rows,
     seq_len+1), forward only, `micro_batches` forwards per batch as in training and under
-    the same autocast; averaged over the data-parallel ranks (equal rows everywhere, no
-    masked labels, so the mean of means is the global mean). `boundaries`: the run's
-    data.documents.DocumentBoundaries when attention is document-masked, else None."""
+    the same autocast; averaged over `dp_group`, the ranks that compute different tokens
+    (ParallelDims.loss_group: equal tokens everywhere, no masked labels, so the mean of means
+    is the global mean). `layout`: the run's BatchLayout (document masking, context
+    parallelism); None: whole rows, causal."""
+    layout = layout or BatchLayout()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for batch in batches:
-        documents = None if boundaries is None else boundaries(batch[:, :-1])
-        batch = to_device(batch, device)
-        parts = _micro_batches(batch[:, :-1], batch[:, 1:], documents, micro_batches, device)
-        for x, y, d in parts:
+        inputs, labels, documents = layout(batch)
+        inputs, labels = to_device(inputs, device), to_device(labels, device)
+        for x, y, d in _micro_batches(inputs, labels, documents, micro_batches, device):
             with autocast if autocast is not None else nullcontext():
                 total += _loss(loss_fn, model, x, y, d).float()
     total /= len(batches) * micro_batches

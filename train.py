@@ -45,6 +45,7 @@ from model.flops import flops_per_token, peak_tflops
 from model.memory import parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
 from parallel import ParallelDims, parallelize
+from parallel.cp import check_cp
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_recipe, check_recipe_layout
 from runtime import (
@@ -55,7 +56,7 @@ from runtime import (
     pick_device,
     to_device,
 )
-from steps import evaluate, train_step
+from steps import BatchLayout, evaluate, train_step
 
 register_configs()
 
@@ -73,8 +74,11 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             "model.impl=te needs a CUDA GPU and transformer_engine "
             "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto"
         )
+    p = cfg.parallel
+    check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, cfg.data.document_mask)
     check_recipe(cfg.recipe, impl, device)
-    check_recipe_layout(cfg.recipe, cfg.model, world_size, dims.dp_shard, dims.tp)
+    # FSDP shards each weight over dp_shard x cp.
+    check_recipe_layout(cfg.recipe, cfg.model, world_size, dims.dp_shard * dims.cp, dims.tp)
     check_logger_config(cfg.logger)
     return dims, grad_accum, impl
 
@@ -253,19 +257,20 @@ def run(cfg: Config) -> int:
         world_size=world_size,
         eval_every=cfg.eval.every if eval_batches is not None else 0,
     )
+    layout = BatchLayout(
+        loader.boundaries, cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group
+    )
     profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):
         profiler.begin(step)
-        rows = loader.next_batch()
-        # Document boundaries are read from the tokens on the CPU (data/documents.py).
-        documents = None if loader.boundaries is None else loader.boundaries(rows[:, :-1])
-        batch = to_device(rows, device)
+        # Document boundaries and this rank's context-parallel part, on the CPU.
+        inputs, labels, documents = layout(loader.next_batch())
         loss, grad_norm = train_step(
             model,
             optimizer,
-            batch[:, :-1],
-            batch[:, 1:],
+            to_device(inputs, device),
+            to_device(labels, device),
             grad_accum=grad_accum,
             grad_clip=cfg.optim.grad_clip,
             scheduler=scheduler,
@@ -286,14 +291,14 @@ def run(cfg: Config) -> int:
                     eval_batches,
                     micro_batches=grad_accum,
                     autocast=autocast,
-                    dp_group=dims.dp_group,
-                    boundaries=loader.boundaries,
+                    dp_group=dims.loss_group,
+                    layout=layout,
                 )
         stopping = False
         if step % cfg.train.log_every == 0 or last or val_loss is not None:
-            if dims.dp_group is not None:  # mean over data-parallel ranks (TP ranks agree)
-                dist.all_reduce(loss, group=dims.dp_group)
-                loss /= dims.dp_size
+            if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
+                dist.all_reduce(loss, group=dims.loss_group)
+                loss /= dims.loss_size
             # The one host sync per log step (loss and grad norm together).
             loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
             logger.log(

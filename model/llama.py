@@ -33,6 +33,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.loss import fused_linear_cross_entropy
 from model.rope import apply_rope, rope_freqs
+from parallel.cp import ContextShard
 
 if TYPE_CHECKING:  # the model reads documents' fields only (data/documents.py)
     from data.documents import Documents
@@ -106,9 +107,10 @@ class Attention(nn.Module):
         self.layernorm_qkv = LayerNormQKV(cfg)
         self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
 
-    def forward(self, x, freqs, positions=None, mask=None):
-        """positions / mask: per-document RoPE positions and `document_causal_mask` (both
-        None: causal over the whole row)."""
+    def forward(self, x, freqs, positions=None, mask=None, context=None):
+        """positions / mask: RoPE positions and the attention mask (document masking, or the
+        context-parallel mask; both None: causal over the whole row). context: this rank's
+        parallel.cp.ContextShard: keys and values are gathered from the whole sequence."""
         b, s, _ = x.shape
         # (b, s, groups, q_per_kv + 2, head_dim), split as TE does. Under tensor parallelism
         # the projection holds a contiguous run of whole KV groups: infer how many.
@@ -117,6 +119,8 @@ class Attention(nn.Module):
         # Query head index = group * q_per_kv + j, so group g's queries read K/V head g.
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, freqs, positions), apply_rope(k, freqs, positions)
+        if context is not None:
+            k, v = context.gather_sequence(k), context.gather_sequence(v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
@@ -146,8 +150,8 @@ class Block(nn.Module):
         self.self_attention = Attention(cfg)
         self.layernorm_mlp = LayerNormMLP(cfg)
 
-    def forward(self, x, freqs, positions=None, mask=None):
-        x = x + self.self_attention(x, freqs, positions, mask)
+    def forward(self, x, freqs, positions=None, mask=None, context=None):
+        x = x + self.self_attention(x, freqs, positions, mask, context)
         return x + self.layernorm_mlp(x)
 
 
@@ -200,12 +204,15 @@ class Llama(nn.Module):
         documents: Documents | None = None,
     ) -> torch.Tensor:
         """documents: attention and RoPE positions restart at each document (a batch with no
-        boundary inside its rows is plain causal attention)."""
-        positions = mask = None
-        if documents is not None and not documents.whole_rows:
+        boundary inside its rows is plain causal attention); or, under context parallelism,
+        this rank's parallel.cp.ContextShard of the rows (tokens and labels are its part)."""
+        positions = mask = context = None
+        if isinstance(documents, ContextShard):
+            context, positions, mask = documents, documents.positions, documents.attention_mask()
+        elif documents is not None and not documents.whole_rows:
             positions = documents.positions
             mask = document_causal_mask(positions)
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, self.freqs, positions, mask)
+            x = layer(x, self.freqs, positions, mask, context)
         return output_head(self, self.norm(x), labels)

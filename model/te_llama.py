@@ -51,6 +51,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.llama import Linear, RMSNorm, output_head
 from model.rope import rope_freqs
+from parallel.cp import ContextShard
 from recipes.config import RecipeConfig
 from recipes.recipe import Recipe
 
@@ -86,6 +87,8 @@ class TELlama(nn.Module):
 
     #: The vocab-parallel group of the head, set by the tensor-parallel plan (parallel/tp.py).
     head_tp_group = None
+    #: Context-parallel degree, set by parallel.cp.apply_te_cp with the blocks' cp group.
+    cp_size = 1
 
     def __init__(
         self,
@@ -170,11 +173,14 @@ class TELlama(nn.Module):
         `documents` (on this device): attention and RoPE positions restart at each document,
         in TE's THD layout; a batch with no boundary inside its rows runs the causal path
         (the same mask, TE's faster kernel for it)."""
+        if isinstance(documents, ContextShard):
+            documents = None  # TE's context-parallel attention (parallel/cp.py) is causal
         if documents is not None and not documents.whole_rows:
             return self._forward_documents(tokens, labels, documents)
         x = self.embed(tokens)
-        seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
-        freqs = self.freqs[:seq]
+        # The frequencies of the whole sequence: TE's fused RoPE picks this rank's positions
+        # itself under sequence and context parallelism.
+        freqs = self.freqs[: tokens.shape[1] * self.cp_size]
         if self.attn_input_format == "sbhd":
             x = x.transpose(0, 1).contiguous()
         x = self._blocks(x, rotary_pos_emb=freqs)

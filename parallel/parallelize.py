@@ -9,7 +9,8 @@ Order (each step needs the previous one):
    tp placements to shard further on the data-parallel dims.
 2. Activation checkpointing (parallel/ac.py: none, full blocks or their MLPs, every N-th
    block), before fully_shard so the recomputed forward runs inside the block's FSDP unit.
-3. FSDP2 units (parallel/fsdp.py): blocks, the untied embedding, the root.
+3. FSDP2 units (parallel/fsdp.py): blocks, the untied embedding, the root, sharded over
+   dp_shard x cp (TE's blocks get the cp group first: parallel/cp.py).
 
 Amax-reduction groups of per-tensor-scaled weights are not set here: the quantized weights
 exist only after materialization, so train.py hands `dims.weight_shard_group` (dp_shard x tp)
@@ -65,6 +66,12 @@ def parallelize(
             from parallel.tp import apply_reference_tp
 
             apply_reference_tp(model, dims.tp_mesh)
+    if dims.cp > 1 and impl == "te":
+        # TE exchanges K/V over the cp group inside its attention; the reference model does
+        # it in its own forward from the batch's parallel.cp.ContextShard.
+        from parallel.cp import apply_te_cp
+
+        apply_te_cp(model, dims.cp_group, pcfg.cp_comm_type)
     _checkpoint_activations(model, pcfg, impl)
     apply_fsdp(model, dims, pcfg, mixed_precision=mixed_precision)
     return model

@@ -288,14 +288,14 @@ def test_hf_data_boundaries_are_the_documents(tmp_path, streaming):
 def test_evaluate_with_documents_is_the_mean_of_document_masked_losses():
     """steps.evaluate with the boundary rule: each held-out batch split into micro batches,
     each with its own documents, averaged; equals the model's document-masked loss per batch."""
-    from steps import evaluate
+    from steps import BatchLayout, evaluate
 
     cfg = tiny_cfg()
     model = Llama(cfg)
     init_weights(model, cfg, 0)
     rows = torch.cat([packed_batch(rows=4, seed=s)[0] for s in (11, 12)]).view(2, 4, SEQ)
     boundaries = DocumentBoundaries(256, 257)
-    got = evaluate(model, rows, micro_batches=2, boundaries=boundaries)
+    got = evaluate(model, rows, micro_batches=2, layout=BatchLayout(boundaries))
     want, causal = [], []
     with torch.no_grad():
         for batch in rows:

@@ -127,7 +127,9 @@ def test_cp_errors_name_the_fields():
     dims = ParallelDims(ParallelConfig(name="fsdp_tp", cp=2, tp=2), 4)
     with pytest.raises(ConfigError, match=r"data.seq_len=6 is not divisible by 2 x parallel.cp"):
         dims.validate_seq_len(6)
-    with pytest.raises(ConfigError, match=r"12 / parallel.cp=2 = 6 tokens per rank .*parallel.tp=4"):
+    with pytest.raises(
+        ConfigError, match=r"12 / parallel.cp=2 = 6 tokens per rank .*parallel.tp=4"
+    ):
         ParallelDims(ParallelConfig(name="fsdp_tp", cp=2, tp=4), 8).validate_seq_len(12)
     dims.validate_seq_len(8)
 

@@ -33,7 +33,7 @@ from model.llama import Linear, Llama, RMSNorm, document_causal_mask, output_hea
 from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
-from steps import train_step
+from steps import BatchLayout, train_step
 from tests.distributed import run_distributed
 from tests.helpers import full_logits_loss
 
@@ -78,8 +78,11 @@ def batches(cfg: ModelConfig, steps: int, documents: bool = False) -> torch.Tens
     return data
 
 
-def documents_of(seq: torch.Tensor, documents: bool):
-    return BOUNDARIES(seq[:, :-1]) if documents else None
+def batch_layout(documents: bool, dims=None) -> BatchLayout:
+    """The trainer's BatchLayout for these cases: DOC_BOS boundaries when `documents`, this
+    rank's context-parallel part when dims.cp > 1."""
+    cp = {} if dims is None else dict(cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group)
+    return BatchLayout(BOUNDARIES if documents else None, **cp)
 
 
 def rank_slice(data: torch.Tensor, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
@@ -88,32 +91,36 @@ def rank_slice(data: torch.Tensor, step: int, dp_rank: int, dp_size: int) -> tor
 
 
 def train(
-    model, data, dp_rank: int = 0, dp_size: int = 1, dp_group=None, opt=None, documents=False
+    model,
+    data,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    opt=None,
+    documents=False,
+    dims=None,
 ) -> list[float]:
+    """`dp_group`: the ranks whose losses are averaged for the curve (with `dims`, its loss
+    group: dp x cp)."""
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    layout = batch_layout(documents, dims)
     losses = []
     for step in range(data.shape[0]):
-        seq = rank_slice(data, step, dp_rank, dp_size)
+        inputs, labels, docs = layout(rank_slice(data, step, dp_rank, dp_size))
         loss, _ = train_step(
-            model,
-            opt,
-            seq[:, :-1],
-            seq[:, 1:],
-            grad_clip=1.0,
-            loss_fn=full_logits_loss,
-            documents=documents_of(seq, documents),
+            model, opt, inputs, labels, grad_clip=1.0, loss_fn=full_logits_loss, documents=docs
         )
         if dp_group is not None:
             torch.distributed.all_reduce(loss, group=dp_group)
-            loss /= dp_size
+            loss /= torch.distributed.get_world_size(dp_group)
         losses.append(loss.item())
     return losses
 
 
-def first_grads(model, data, dp_rank: int = 0, dp_size: int = 1, documents=False) -> None:
+def first_grads(model, data, dp_rank=0, dp_size=1, documents=False, dims=None) -> None:
     """Forward and backward of the first batch (step 1's gradients), leaving them in .grad."""
-    seq = rank_slice(data, 0, dp_rank, dp_size)
-    full_logits_loss(model, seq[:, :-1], seq[:, 1:], documents_of(seq, documents)).backward()
+    inputs, labels, docs = batch_layout(documents, dims)(rank_slice(data, 0, dp_rank, dp_size))
+    full_logits_loss(model, inputs, labels, docs).backward()
 
 
 def reference_losses(tie: bool, documents: bool = False) -> list[float]:
@@ -170,11 +177,13 @@ def _layout_worker(rank, world_size, pcfg_kwargs, tie, impl, out_path, documents
     dims, model = build_parallel(cfg, pcfg, impl, world_size)
     seen_qkv = record_forward_qkv(model)
     data = batches(cfg, STEPS, documents)
-    first_grads(model, data, dims.dp_rank, dims.dp_size, documents)
+    first_grads(model, data, dims.dp_rank, dims.dp_size, documents, dims)
     grad_err = check_first_grads(model, reference_first_grads(cfg, documents))
     check_local_qkv_groups(seen_qkv, cfg, dims.tp_rank, dims.tp)
     model.zero_grad(set_to_none=True)
-    losses = train(model, data, dims.dp_rank, dims.dp_size, dims.dp_group, documents=documents)
+    losses = train(
+        model, data, dims.dp_rank, dims.dp_size, dims.loss_group, documents=documents, dims=dims
+    )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "grad_err": grad_err}, f)
@@ -433,6 +442,36 @@ CASES = {
 def test_layout_matches_single_process(case, tmp_path):
     world, kw = CASES[case]
     run_layout(str(tmp_path), world, **kw)
+
+
+#: Context parallelism (parallel.cp) with every layout, causal and document-masked: the
+#: reference model's all-gather attention against one process.
+CP_CASES = {
+    "fsdp_cp2": (2, {"name": "fsdp", "dp_shard": 1, "cp": 2}),
+    "fsdp2_cp2": (4, {"name": "fsdp", "dp_shard": -1, "cp": 2}),
+    "fsdp_cp4": (4, {"name": "fsdp", "dp_shard": 1, "cp": 4}),
+    "hsdp2_cp2": (4, {"name": "hsdp", "dp_replicate": 2, "dp_shard": 1, "cp": 2}),
+    "tp2_cp2": (4, {"name": "tp", "dp_shard": 1, "tp": 2, "cp": 2}),
+    "fsdp2_tp2_cp2": (8, {"name": "fsdp_tp", "dp_shard": -1, "tp": 2, "cp": 2}),
+    "hsdp2_cp4_ac": (
+        8,
+        {
+            "name": "hsdp",
+            "dp_replicate": 2,
+            "dp_shard": 1,
+            "cp": 4,
+            "activation_checkpointing": "full",
+        },
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_context_parallel_matches_single_process(case, documents, tmp_path):
+    world, kw = CP_CASES[case]
+    run_layout(str(tmp_path), world, documents=documents, **kw)
 
 
 #: Document-masked attention (data.document_mask) on every layout, activation checkpointing
