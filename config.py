@@ -260,6 +260,15 @@ def validate(cfg: Config) -> None:
             "(the share of documents held out of training for evaluation)",
         )
     check_accept(cfg.resume.accept)
+    if cfg.recipe.switch:
+        from recipes.switch import resolve_switches
+
+        resolve_switches(cfg.recipe, o.schedule_steps or t.steps)
+        _require(
+            cfg.checkpoint.mode != "none",
+            "recipe.switch needs checkpoints (the switch loads the checkpoint of its step, as a "
+            "resume would); use checkpoint=sync (or async, async_process)",
+        )
 
 
 def validate_batch(cfg: Config, dp_size: int) -> int:
@@ -517,7 +526,11 @@ class SegmentConfig:
     def __call__(self, loaded) -> None:
         self.accepted = check_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
 
-    def record(self, run_dir: Path, start_step: int) -> Path:
+    def record(
+        self, run_dir: Path, start_step: int, recipe: str | None = None, switch: str | None = None
+    ) -> Path:
+        """recipe: the recipe this segment trains with (recipe.switch runs); switch: the recipe
+        before, when the segment starts at a switch inside the running job."""
         import time
 
         configs = run_dir / "configs"
@@ -526,8 +539,12 @@ class SegmentConfig:
             configs.rename(run_dir / f"configs.{stamp}")
         configs.mkdir(exist_ok=True)
         header = f"# segment from step {start_step}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        if self.accepted:
+        if self.accepted and switch is None:
             header += "; accepted changes: " + "; ".join(map(str, self.accepted))
+        if switch is not None:
+            header += f"; recipe switch: {switch} -> {recipe}"
+        elif recipe is not None:
+            header += f"; recipe: {recipe}"
         segment = configs / f"segment-{start_step:07d}.yaml"
         if segment.exists():
             segment.rename(configs / f"segment-{start_step:07d}.{stamp}.yaml")
