@@ -70,11 +70,17 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto"
         )
     # Every recipe of the run: the first, and each one `recipe.switch` changes to.
-    switches = resolve_switches(cfg.recipe, schedule_steps(cfg))
-    for rcfg in [cfg.recipe, *(s.recipe for s in switches)]:
-        check_recipe(rcfg, impl, device)
-        check_recipe_layout(rcfg, cfg.model, world_size, dims.dp_shard, dims.tp)
-        check_bf16_layers(rcfg, cfg.model.n_layers)
+    for i, rcfg in enumerate(
+        [cfg.recipe, *(s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg)))]
+    ):
+        try:
+            check_recipe(rcfg, impl, device)
+            check_recipe_layout(rcfg, cfg.model, world_size, dims.dp_shard, dims.tp)
+            check_bf16_layers(rcfg, cfg.model.n_layers)
+        except ConfigError as e:
+            if i == 0:
+                raise
+            raise ConfigError(f"recipe.switch[{i - 1}] (to {label(rcfg)}): {e}") from None
     check_logger_config(cfg.logger)
     return dims, grad_accum, impl
 

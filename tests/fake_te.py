@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from recipes import Recipe
 from recipes.amax import local_tensor
@@ -63,6 +64,7 @@ class FakeQuantizedTensor(torch.Tensor):
     dequantized values; saved (torch.save, DCP) as a plain tensor of them."""
 
     amax_reduction_group = None
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -140,6 +142,8 @@ class FakeTELinear(torch.nn.Module):
 
     def forward(self, x):
         w = self.weight
+        if isinstance(w, DTensor):  # sharded like FSDP: gathered for the GEMM
+            w = w.full_tensor()
         if self.quantized_compute and not isinstance(w, FakeQuantizedTensor):
             # TE casts a high-precision weight at each forward (straight-through gradient).
             q = self.quantizers["scaling_fwd"][1].cast(w.detach())
@@ -166,11 +170,13 @@ class FakeTEModel(torch.nn.Module):
         self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens, labels):
-        h = self.embed(tokens)
+        table = self.embed.weight
+        h = F.embedding(tokens, table.full_tensor() if isinstance(table, DTensor) else table)
         for block in self.layers:
             h = h + torch.tanh(block.self_attention.proj(h))
             h = h + torch.tanh(block.layernorm_mlp.fc2(h))
-        logits = self.head(self.norm(h))
+        head = self.head.weight
+        logits = F.linear(self.norm(h), head.full_tensor() if isinstance(head, DTensor) else head)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
@@ -179,7 +185,10 @@ def init_fake(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = torch.Generator().manual_seed(seed * 1000 + sum(map(ord, name)))
-            local_tensor(p).copy_(torch.randn(p.shape, generator=g) * 0.3)
+            full = torch.randn(p.shape, generator=g) * 0.3
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements).to_local()
+            local_tensor(p).copy_(full)
 
 
 class FakeFusedAdam(torch.optim.Optimizer):
@@ -261,7 +270,9 @@ class FakeFusedAdam(torch.optim.Optimizer):
 
 def build_fake(rcfg, seed: int = 0, n_layers: int = 2, shard=None):
     """(recipe, model, optimizer) as train.build_training makes them, for the fake model.
-    shard: a 1-D DeviceMesh to shard every matrix over (dim 0), as FSDP would."""
+    shard: a 1-D DeviceMesh to shard the embedding and the head over (dim 0), as FSDP would
+    (the TE weights stay whole on every rank: a DTensor of a fake quantized tensor would need
+    TE's __torch_dispatch__)."""
     from recipes import build_recipe
 
     recipe = build_recipe(rcfg, n_layers)
@@ -269,11 +280,9 @@ def build_fake(rcfg, seed: int = 0, n_layers: int = 2, shard=None):
     if shard is not None:
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                if p.ndim == 2:
-                    dt = distribute_tensor(p.detach(), shard, [Shard(0)])
-                    setattr(module, name, torch.nn.Parameter(dt))
+        for module in (model.embed, model.head):
+            dt = distribute_tensor(module.weight.detach(), shard, [Shard(0)])
+            module.weight = torch.nn.Parameter(dt)
     init_fake(model, seed)
     recipe.prepare_weights(model, None, None)
     optimizer = FakeFusedAdam(model.parameters(), **recipe.fused_adam_kwargs())
