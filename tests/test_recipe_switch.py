@@ -298,7 +298,7 @@ def test_train_py_switches_in_job_and_on_resume(tmp_path):
     # model); c: stops at step 3 (the switch step: no switch in its job), resumed to 6;
     # d: stops at step 2, resumed: the resumed job switches after step 3 itself.
     out_a = train(tmp_path, "a", "train.steps=6", SWITCH, "train.log_every=2")
-    train(tmp_path, "b", "train.steps=6", "train.log_every=2")
+    train(tmp_path, "b", "train.steps=6")
     train(tmp_path, "c", "train.steps=3", SWITCH)
     out_c = train(tmp_path, "c", "train.steps=6", SWITCH)
     train(tmp_path, "d", "train.steps=2", SWITCH)
@@ -329,7 +329,7 @@ def test_train_py_switches_in_job_and_on_resume(tmp_path):
 def test_train_py_switch_on_two_ranks(tmp_path, layout):
     """2 gloo ranks: the job that switches after step 3 equals the one resumed from that
     step's checkpoint under the later recipe, bitwise."""
-    args = [f"parallel={layout}", "train.steps=6", SWITCH]
+    args = [f"parallel={layout}", "model.n_kv_heads=2", "train.steps=6", SWITCH]
     out = train(tmp_path, "a", *args, nproc=2)
     assert "recipe switch after step 3" in out
     train(tmp_path, "c", *args[:-2], "train.steps=3", SWITCH, nproc=2)
