@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from config import ConfigError, check_resume, compose_config, validate
 from recipes import RecipeConfig
 from recipes.config import RecipeSwitchConfig
 from recipes.switch import label, recipe_for_step, resolve_switches, saved_recipe
-from runlog import read_metrics
+from runlog import load_run, read_metrics
 from runtime import launch
 from tests import fake_te as ft
 from tests.distributed import run_distributed
@@ -336,3 +337,24 @@ def test_train_py_switch_on_two_ranks(tmp_path, layout):
     train(tmp_path, "c", *args, nproc=2)
     assert losses(tmp_path / "a") == losses(tmp_path / "c")
     assert sorted(losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------- tools/compare_runs.py
+
+
+def test_compare_runs_marks_the_switch(tmp_path):
+    from tests.test_compare_runs import PNG_MAGIC, cli, losses, write_run
+    from tools.compare_runs import switch_marks
+
+    a = write_run(tmp_path / "a", losses(range(1, 11)))
+    b = write_run(tmp_path / "b", losses(range(1, 11), k=9, delta=0.01))
+    records = read_metrics(b / "metrics.jsonl")
+    records[7]["recipe_switch"] = "-> bf16"  # step 8, as train.py writes it
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = {"a": load_run(a), "b": load_run(b)}
+    assert switch_marks(runs) == [("b", 8, "b: recipe -> bf16")]
+    assert switch_marks(runs, x="tokens") == [("b", 8 * 1024, "b: recipe -> bf16")]
+    png = tmp_path / "cmp.png"
+    rc, out = cli(a, b, "--plot", png)
+    assert rc == 0 and "b: recipe switch after step 8 (-> bf16)" in out, out
+    assert png.read_bytes().startswith(PNG_MAGIC)
