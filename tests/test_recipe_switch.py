@@ -113,6 +113,31 @@ def test_a_changed_schedule_is_a_change_of_the_training():
     with pytest.raises(ConfigError, match=r"resume.accept=\[recipe.switch\]"):
         check_resume(saved, current, [], step=5)
     assert check_resume(saved, current, ["recipe"], step=5)
+    # Another bf16_layers is a change of the recipe too: refused unless accepted.
+    with pytest.raises(ConfigError, match=r"recipe.bf16_layers \[\] -> \[0\]"):
+        check_resume(resolved(), resolved("recipe.bf16_layers=[0]"), [], step=5)
+
+
+def test_a_fraction_that_moves_with_the_schedule_is_refused():
+    """Stretching the schedule (accepted train.steps) moves a fractional switch: the recipe
+    the checkpoint holds at its step would change without a recipe change being accepted."""
+    from config import check_recipe_at_resume
+
+    def resolved(*overrides):
+        return OmegaConf.to_yaml(OmegaConf.structured(compose_config(overrides)))
+
+    switch = "recipe.switch=[{at: 0.8, name: bf16}]"
+    saved = resolved("recipe=fp8_cs", switch, "train.steps=25")
+    stretched = resolved("recipe=fp8_cs", switch, "train.steps=50")
+    assert check_resume(saved, stretched, ["train.steps"], step=25)
+    with pytest.raises(ConfigError) as e:
+        check_recipe_at_resume(saved, stretched, ["train.steps"], step=25)
+    msg = str(e.value)
+    assert "\n" not in msg and "saved with recipe bf16" in msg and "puts fp8_cs at that step" in msg
+    check_recipe_at_resume(saved, stretched, ["train.steps", "recipe.switch"], step=25)
+    kept = resolved("recipe=fp8_cs", switch, "train.steps=50", "optim.schedule_steps=25")
+    check_recipe_at_resume(saved, kept, [], step=25)  # the schedule kept: no change
+    check_recipe_at_resume(saved, stretched, ["train.steps"], step=10)  # before both switches
 
 
 # ---------------------------------------------------------------- portable checkpoints (fakes)
