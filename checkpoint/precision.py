@@ -120,25 +120,26 @@ class PrecisionPlan:
         )
         run_masters = self.run_masters
         params = self.params()
-        same_format = 0
+        same_format = saved_quantized = 0
         for fqn in params:
             s = weight_format(saved, fqn, quantizable, n)
             r = weight_format(run, fqn, quantizable, n)
+            saved_quantized += s is not None
             if s == r and saved_masters == run_masters:
                 same_format += s is not None
                 continue
             if s is not None and f"optimizer.state.{fqn}.{MASTER}" not in self.saved_keys:
                 raise RuntimeError(f"checkpoint holds quantized {fqn} without its fp32 master")
             self.translated[fqn] = _Param(fqn, s is not None, r is not None)
-        self._describe(saved, saved_masters, same_format)
+        self._describe(saved, saved_masters, same_format, saved_quantized)
 
-    def _describe(self, saved: RecipeConfig, saved_masters: bool, same_format: int) -> None:
+    def _describe(
+        self, saved: RecipeConfig, saved_masters: bool, same_format: int, from_masters: int
+    ) -> None:
         run = self.recipe.cfg
         if not self.translated and _same_recipe(saved, run):
             return
-        t = self.translated.values()
-        from_masters = sum(p.saved_quantized for p in t)
-        recast = sum(p.run_quantized for p in t)
+        recast = sum(p.run_quantized for p in self.translated.values())
         delayed = ("fp8_delayed" == saved.name, "fp8_delayed" == run.name)
         self.report = [
             f"precision: checkpoint saved with {label(saved)}, this run uses {label(run)}",
