@@ -273,6 +273,15 @@ def validate(cfg: Config) -> None:
             "(the share of documents held out of training for evaluation)",
         )
     check_accept(cfg.resume.accept)
+    if cfg.recipe.switch:
+        from recipes.switch import resolve_switches
+
+        resolve_switches(cfg.recipe, o.schedule_steps or t.steps)
+        _require(
+            cfg.checkpoint.mode != "none",
+            "recipe.switch needs checkpoints (the switch loads the checkpoint of its step, as a "
+            "resume would); use checkpoint=sync (or async, async_process)",
+        )
 
 
 def validate_batch(cfg: Config, dp_size: int) -> int:
@@ -530,6 +539,33 @@ def check_resume(
     return math
 
 
+def check_recipe_at_resume(
+    saved_yaml: str | None, current_yaml: str, accept: Sequence[str], step: int
+) -> None:
+    """The recipe in force at the checkpoint's step must be the one it was saved with, unless
+    a recipe change is accepted: with an unchanged `recipe.switch`, a fraction `at` still moves
+    when the schedule's length does (an accepted train.steps), which would switch the recipe
+    back or forth without anyone asking for it."""
+    import yaml
+
+    from recipes.switch import label, saved_recipe
+
+    if not saved_yaml or any(_covers(n, "recipe.switch") for n in accept):
+        return
+    old = saved_recipe(yaml.safe_load(saved_yaml), step)
+    new = saved_recipe(yaml.safe_load(current_yaml), step)
+    if old is None or new is None or old == new:
+        return
+    if any(_covers(n, "recipe") or n.startswith("recipe.") for n in accept):
+        return
+    raise ConfigError(
+        f"resume: the checkpoint (step {step}) was saved with recipe {label(old)}, but this "
+        f"config's recipe.switch puts {label(new)} at that step (its fractions follow the "
+        "schedule's length); give recipe.switch's `at` as steps, or accept the change on purpose "
+        "with resume.accept=[recipe.switch]"
+    )
+
+
 class SegmentConfig:
     """This run's config against a resumed checkpoint's, and the record of each segment.
 
@@ -547,8 +583,13 @@ class SegmentConfig:
 
     def __call__(self, loaded) -> None:
         self.accepted = check_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
+        check_recipe_at_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
 
-    def record(self, run_dir: Path, start_step: int) -> Path:
+    def record(
+        self, run_dir: Path, start_step: int, recipe: str | None = None, switch: str | None = None
+    ) -> Path:
+        """recipe: the recipe this segment trains with (recipe.switch runs); switch: the recipe
+        before, when the segment starts at a switch inside the running job."""
         import time
 
         configs = run_dir / "configs"
@@ -557,8 +598,12 @@ class SegmentConfig:
             configs.rename(run_dir / f"configs.{stamp}")
         configs.mkdir(exist_ok=True)
         header = f"# segment from step {start_step}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        if self.accepted:
+        if self.accepted and switch is None:
             header += "; accepted changes: " + "; ".join(map(str, self.accepted))
+        if switch is not None:
+            header += f"; recipe switch: {switch} -> {recipe}"
+        elif recipe is not None:
+            header += f"; recipe: {recipe}"
         segment = configs / f"segment-{start_step:07d}.yaml"
         if segment.exists():
             segment.rename(configs / f"segment-{start_step:07d}.{stamp}.yaml")

@@ -211,6 +211,14 @@ def steps_with(run: Run, metric: str) -> set[int]:
     return {s for s, rec in run.items() if metric_value(rec, metric) is not None}
 
 
+def recipe_switches(run: Run) -> dict[int, str]:
+    """The steps after which the run switched precision recipe (`recipe.switch`: train.py logs
+    `recipe_switch` on the switch step's record), with what it switched to."""
+    return {
+        s: str(rec["recipe_switch"]) for s, rec in sorted(run.items()) if rec.get("recipe_switch")
+    }
+
+
 def metric_names(runs: Mapping[str, Run]) -> set[str]:
     return {
         k

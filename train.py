@@ -15,6 +15,7 @@ in a subprocess).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ import compat
 import sweep
 from checkpoint import CheckpointManager, TrainState, training_state
 from checkpoint.hf import load_hf_weights, model_source
+from checkpoint.manager import resume_step
 from checkpoint.preflight import prepare_run_dir
 from config import (
     Config,
@@ -47,7 +49,8 @@ from optim import apply_config, build_optimizer, build_scheduler
 from parallel import ParallelDims, parallelize
 from parallel.cp import check_cp
 from profiling import StepProfiler
-from recipes import Recipe, build_recipe, check_recipe, check_recipe_layout
+from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
+from recipes.switch import label, recipe_for_step, resolve_switches
 from runtime import (
     EXIT_REQUEUE,
     StopSignal,
@@ -76,11 +79,65 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
         )
     p = cfg.parallel
     check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, cfg.data.document_mask)
-    check_recipe(cfg.recipe, impl, device)
-    # FSDP shards each weight over dp_shard x cp.
-    check_recipe_layout(cfg.recipe, cfg.model, world_size, dims.dp_shard * dims.cp, dims.tp)
+    # Every recipe of the run: the first, and each one `recipe.switch` changes to.
+    for i, rcfg in enumerate(
+        [cfg.recipe, *(s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg)))]
+    ):
+        try:
+            check_recipe(rcfg, impl, device)
+            # FSDP shards each weight over dp_shard x cp.
+            check_recipe_layout(rcfg, cfg.model, world_size, dims.dp_shard * dims.cp, dims.tp)
+            check_bf16_layers(rcfg, cfg.model.n_layers)
+        except ConfigError as e:
+            if i == 0:
+                raise
+            raise ConfigError(f"recipe.switch[{i - 1}] (to {label(rcfg)}): {e}") from None
     check_logger_config(cfg.logger)
     return dims, grad_accum, impl
+
+
+def schedule_steps(cfg: Config) -> int:
+    return cfg.optim.schedule_steps or cfg.train.steps
+
+
+def build_training(cfg: Config, rcfg, impl: str, dims: ParallelDims, device, init_from=None):
+    """Steps 5-8 of `run` for the recipe config `rcfg`: (recipe, model, optimizer, schedule).
+    A recipe switch calls it again (then loads the switch step's checkpoint)."""
+    recipe = build_recipe(rcfg, cfg.model.n_layers)
+    model, amax_group = build_parallel_model(
+        cfg.model, impl, recipe, dims, device, cfg.train.seed, init_from=init_from
+    )
+    # 8. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
+    #    seeded from the exact pre-quantization values).
+    optimizer = build_optimizer(model, cfg.optim, impl, recipe.fused_adam_kwargs())
+    recipe.attach_optimizer(model, optimizer, amax_group)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    return recipe, model, optimizer, scheduler
+
+
+def switch_recipe(cfg: Config, rcfg, step: int, impl, dims, device, ckpt, loader, train_state, say):
+    """The recipe switch after `step` (docs/RECIPE_SWITCH.md), once the caller dropped the old
+    model and optimizer: the new recipe's model, optimizer and schedule are built and load the
+    checkpoint of `step`, as a run resumed from it would (the same code: the run goes on exactly
+    as that resumed run)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    recipe, model, optimizer, scheduler = build_training(cfg, rcfg, impl, dims, device)
+    state = training_state(
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        train_state,
+        te_recipe=recipe.te_recipe(),
+        recipe=recipe,
+        log=say,
+    )
+    ckpt.reload(step, state)
+    apply_config(optimizer, scheduler, cfg.optim)
+    model.train()
+    return recipe, model, optimizer, scheduler, state
 
 
 def build_parallel_model(
@@ -147,7 +204,10 @@ def run(cfg: Config) -> int:
 
     # 3. Config check: one clear line for any bad input, before GPU memory or data.
     dims, grad_accum, impl = check_config(cfg, world_size, device)
-    recipe = build_recipe(cfg.recipe, cfg.model.n_layers)
+    # The recipe of the first step this run trains (recipe.switch: the resumed step decides).
+    switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
+    first_step = 1 + (resume_step(cfg.checkpoint, run_dir, world_size) if switches else 0)
+    rcfg = recipe_for_step(cfg.recipe, first_step, schedule_steps(cfg))
     tokenizer = build_tokenizer(cfg.data)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -164,16 +224,11 @@ def run(cfg: Config) -> int:
     compat.apply_all()
     torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
 
-    # 5-7. Model: meta build, parallelize, materialize, initialize (or load init_from), quantize.
-    model, amax_group = build_parallel_model(
-        cfg.model, impl, recipe, dims, device, cfg.train.seed, init_from=hf_weights
+    # 5-8. Model: meta build, parallelize, materialize, initialize (or load init_from),
+    #      quantize; optimizer and schedule.
+    recipe, model, optimizer, scheduler = build_training(
+        cfg, rcfg, impl, dims, device, init_from=hf_weights
     )
-
-    # 8. Optimizer and schedule (TE: FusedAdam; with quantized weights it keeps fp32 masters,
-    #    seeded from the exact pre-quantization values).
-    optimizer = build_optimizer(model, cfg.optim, impl, recipe.fused_adam_kwargs())
-    recipe.attach_optimizer(model, optimizer, amax_group)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
     # 9. Data: each data-parallel rank reads its rows of one global batch order (and of the
     #    held-out batches when evaluation is on).
@@ -196,16 +251,25 @@ def run(cfg: Config) -> int:
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
     state = training_state(
-        model, optimizer, scheduler, loader, train_state, te_recipe=recipe.te_recipe()
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        train_state,
+        te_recipe=recipe.te_recipe(),
+        recipe=recipe,
+        log=say,
     )
     ckpt = CheckpointManager(
         cfg.checkpoint, run_dir, rank=rank, world_size=world_size, lock=run_lock
     )
     start_step = ckpt.resume(state)
+    if switches and start_step + 1 != first_step:
+        raise RuntimeError(f"resumed step {start_step}, expected {first_step - 1} (recipe.switch)")
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
     if rank == 0 and start_step < cfg.train.steps:  # a segment that trains: record it
-        recorded = segment.record(run_dir, start_step)
+        recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg))
         if segment.accepted:
             accepted = "; ".join(map(str, segment.accepted))
             say(
@@ -295,7 +359,8 @@ def run(cfg: Config) -> int:
                     layout=layout,
                 )
         stopping = False
-        if step % cfg.train.log_every == 0 or last or val_loss is not None:
+        switch_to = switches.get(step)
+        if step % cfg.train.log_every == 0 or last or val_loss is not None or switch_to:
             if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
                 dist.all_reduce(loss, group=dims.loss_group)
                 loss /= dims.loss_size
@@ -314,13 +379,29 @@ def run(cfg: Config) -> int:
                     param_bytes_per_param=param_bytes / param_local_numel,
                     eval_s=clock.eval_last if val_loss is not None else None,
                     **ckpt.stats(),
+                    **({"recipe": label(recipe.cfg)} if switches else {}),
+                    **({"recipe_switch": f"-> {label(switch_to)}"} if switch_to else {}),
                 )
             )
             ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
             # Checked where the loop syncs anyway: a stop lands within log_every steps.
             stopping = stop is not None and stop.agreed(device)
 
-        ckpt.maybe_save(step, state, force=stopping)
+        ckpt.maybe_save(step, state, force=stopping or switch_to is not None)
+        if switch_to is not None and not (last or stopping):
+            old = label(recipe.cfg)
+            model = optimizer = scheduler = state = None  # freed before the new ones are built
+            with clock.evaluation():  # timed apart from the steps, as evaluations are
+                recipe, model, optimizer, scheduler, state = switch_recipe(
+                    cfg, switch_to, step, impl, dims, device, ckpt, loader, train_state, say
+                )
+            param_bytes, param_local_numel = parameter_storage(model)
+            if rank == 0:
+                segment.record(run_dir, step, recipe=label(recipe.cfg), switch=old)
+            logger.info(
+                f"recipe switch after step {step}: {old} -> {label(recipe.cfg)} "
+                f"in {clock.eval_last:.1f}s"
+            )
         if stopping:
             logger.info(
                 f"stop signal {stop.received}: checkpoint at step {step} saved; exiting "

@@ -160,6 +160,27 @@ def resumes(cfg: CheckpointConfig, run_dir: str | Path) -> bool:
     return True
 
 
+def resume_step(cfg: CheckpointConfig, run_dir: str | Path, world_size: int = 1) -> int:
+    """The step of the checkpoint `CheckpointManager.resume` will pick (0: none), read before
+    the model is built (a `recipe.switch` run builds the recipe of the step after it). Rank 0
+    reads the filesystem and tells the others; the resume itself still checks the checkpoint."""
+    step = 0
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        spec = str(cfg.resume)
+        if spec == "auto":
+            found = store.newest_step(checkpoint_root(cfg, run_dir))
+        elif spec != "none":
+            found = store.find_checkpoint(Path(spec).expanduser())
+        else:
+            found = None
+        step = found.step if found is not None else 0
+    if world_size > 1 and dist.is_initialized():
+        box = [step]
+        dist.broadcast_object_list(box, src=0)
+        step = box[0]
+    return step
+
+
 def _flatten(request: dict) -> dict[str, Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -171,13 +192,16 @@ def _flatten(request: dict) -> dict[str, Any]:
 COMPLETE_PARTS = ("model.", "optimizer.")
 
 
-def request_problems(request: dict, saved: Mapping[str, Any]) -> list[str]:
+def request_problems(
+    request: dict, saved: Mapping[str, Any], skipped: set[str] | frozenset[str] = frozenset()
+) -> list[str]:
     """Keys missing from the checkpoint, tensors whose global shape differs, and model or
-    optimizer entries of the checkpoint that this run would not load."""
+    optimizer entries of the checkpoint that this run would not load (except `skipped`: those
+    a part leaves out on purpose, e.g. the FP8 bytes of a weight whose fp32 master loads)."""
     problems = []
     flat = _flatten(request)
     for fqn in saved:
-        if fqn.startswith(COMPLETE_PARTS) and fqn not in flat:
+        if fqn.startswith(COMPLETE_PARTS) and fqn not in flat and fqn not in skipped:
             problems.append(f"the checkpoint entry {fqn!r} would not be loaded by this run")
     for fqn, value in flat.items():
         md = saved.get(fqn)
@@ -192,6 +216,16 @@ def request_problems(request: dict, saved: Mapping[str, Any]) -> list[str]:
                     f"this run has {tuple(value.shape)}"
                 )
     return problems
+
+
+def _saved_config(path: Path) -> dict | None:
+    """The resolved config saved with a checkpoint (verified with the other files), or None."""
+    file = path / store.CONFIG_FILE
+    try:
+        config = yaml.safe_load(file.read_text()) if file.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _find(state: Mapping[str, Any], cls: type):
@@ -322,7 +356,7 @@ class CheckpointManager:
         path, step = Path(decision["path"]), decision["step"]
         t0 = time.perf_counter()
         self._verify_hashes(path, decision["hint"])
-        self._load(path, state)
+        self._load(path, state, step)
         train = _find(state, TrainState)
         if train is not None and train.step != step:
             raise ConfigError(
@@ -338,6 +372,27 @@ class CheckpointManager:
         self._last_saved_step = step if same_dir else None
         self._log(f"resumed from {path} (step {step}) in {time.perf_counter() - t0:.2f}s")
         return step
+
+    def reload(self, step: int, state: Mapping[str, Any]) -> Path:
+        """Load this run's checkpoint of `step` into `state` (new objects: a rebuilt model and
+        optimizer), as a resume from it would: the in-job recipe switch (train.py) saves the
+        switch step, rebuilds, and loads it here, so the run goes on exactly as one resumed from
+        that checkpoint. Saves `step` first if it is not saved yet; waits for every save."""
+        if not self.saving:
+            raise ConfigError("a recipe switch goes through a checkpoint; use checkpoint=sync")
+        self._wait_all()
+        path = self.root / store.step_name(step)
+        if self._dist:
+            dist.barrier(group=self._pg)
+        if store.read_manifest(path) is None:
+            raise RuntimeError(f"checkpoint {path} of the recipe switch is not committed")
+        t0 = time.perf_counter()
+        self._verify_hashes(path, "the recipe switch cannot go on")
+        self._load(path, state, step)
+        if self._dist:
+            dist.barrier(group=self._pg)
+        self._log(f"reloaded {path} (step {step}) in {time.perf_counter() - t0:.2f}s")
+        return path
 
     def _damaged(self, path: Path, problem: str, hint: str) -> str:
         return (
@@ -459,13 +514,17 @@ class CheckpointManager:
                 f"in {time.perf_counter() - t0:.2f}s"
             )
 
-    def _load(self, path: Path, state: Mapping[str, Any]) -> None:
+    def _load(self, path: Path, state: Mapping[str, Any], step: int) -> None:
         try:
             saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         except _ERRORS as e:
             raise ConfigError(
                 f"checkpoint {path} is damaged (.metadata is unreadable: {_first_line(e)})"
             ) from None
+        config = _saved_config(path)
+        for part in state.values():
+            if hasattr(part, "plan_load"):  # e.g. a checkpoint of another precision recipe
+                part.plan_load(config, step, set(saved))
         request: dict[str, Any] = {}
         for key, part in state.items():
             if hasattr(part, "load_request"):
@@ -475,7 +534,10 @@ class CheckpointManager:
                 )
             else:
                 request[key] = part.state_dict()
-        problems = request_problems(request, saved)
+        skipped = set().union(
+            *(p.skipped_entries() for p in state.values() if hasattr(p, "skipped_entries"))
+        )
+        problems = request_problems(request, saved, skipped)
         if self._pg is not None:  # every rank must fail together, or none
             everyone: list[Any] = [None] * dist.get_world_size(self._pg)
             dist.all_gather_object(everyone, problems, group=self._pg)

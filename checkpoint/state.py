@@ -9,7 +9,10 @@ Everything else is small and replicated, except RNG states, which are per rank.
 
 Optional protocol used by the manager on load: `load_request(saved)` receives the checkpoint's
 metadata for this part's keys (prefix stripped) and returns the structure to load into, for
-parts whose shape depends on the checkpoint (per-rank RNG keys, TE scaling tensors).
+parts whose shape depends on the checkpoint (per-rank RNG keys, TE scaling tensors, the model
+and optimizer of a run whose recipe differs from the checkpoint's); `plan_load(config, step,
+keys)` comes first, with the checkpoint's saved config (a dict, or None), step and entry names;
+`skipped_entries()` names checkpoint entries a part leaves out on purpose.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint import te_state
+from checkpoint.precision import PrecisionPlan
 from recipes.quantized import requantize_from_masters
+from recipes.switch import saved_recipe
 
 #: Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") do not depend on
 #: how parameters are grouped, which keeps resharded loads simple.
@@ -75,18 +80,37 @@ class TrainState(Stateful):
 class ModelState(Stateful):
     """Model parameters and buffers. TE `_extra_state` entries are left out: under FSDP2 they
     do not load through DCP (TE issue 1860; their size changes once FP8 runs); the scaling
-    state they carry is saved by TEScalingState instead."""
+    state they carry is saved by TEScalingState instead. With a `PrecisionPlan` (the run's
+    recipe is known), a checkpoint of another recipe loads too (checkpoint/precision.py)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, plan: PrecisionPlan | None = None):
         self.model = model
+        self.plan = plan
 
     def state_dict(self) -> dict[str, Any]:
         sd = get_model_state_dict(self.model)
         return {k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)}
 
+    def plan_load(self, config: Mapping[str, Any] | None, step: int, keys) -> None:
+        if self.plan is not None:
+            self.plan.plan(saved_recipe(config, step), keys)
+
+    def load_request(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        sd = self.state_dict()
+        return self.plan.model_request(sd) if self.plan is not None else sd
+
+    def skipped_entries(self) -> set[str]:
+        return set(self.plan.skipped) if self.plan is not None else set()
+
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        result = set_model_state_dict(self.model, dict(sd), options=StateDictOptions(strict=False))
-        missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
+        later: set[str] = set()
+        sd = dict(sd)
+        if self.plan is not None:
+            sd, later = self.plan.model_loaded(sd)
+        result = set_model_state_dict(self.model, sd, options=StateDictOptions(strict=False))
+        missing = [
+            k for k in result.missing_keys if not k.endswith(_EXTRA_STATE) and k not in later
+        ]
         if missing or result.unexpected_keys:
             raise RuntimeError(
                 f"model state mismatch: missing {missing[:5]}, "
@@ -97,9 +121,15 @@ class ModelState(Stateful):
 class OptimizerState(Stateful):
     """Optimizer state with DTensor moments (and TE FusedAdam master weights)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan: PrecisionPlan | None = None,
+    ):
         self.model = model
         self.optimizer = optimizer
+        self.plan = plan
         self._wrapped: set[str] = set()
 
     def state_dict(self) -> dict[str, Any]:
@@ -109,13 +139,21 @@ class OptimizerState(Stateful):
         self._wrapped = te_state.optimizer_states_as_dtensors(sd, self.model)
         return sd
 
+    def load_request(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        sd = self.state_dict()
+        return self.plan.optimizer_request(sd) if self.plan is not None else sd
+
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         sd = dict(sd)
         te_state.optimizer_states_to_local(sd, self._wrapped)
+        if self.plan is not None:
+            sd = self.plan.optimizer_loaded(sd)
         set_optimizer_state_dict(self.model, self.optimizer, sd, options=_OPTIM_OPTIONS)
         # Block-scaled quantized weights: rebuilt from the masters just loaded (the model
         # loads first; DCP calls load_state_dict in state-dict order).
         requantize_from_masters(self.optimizer)
+        if self.plan is not None:  # parameters of another format: from their high precision
+            self.plan.finish()
 
 
 class ObjectState(Stateful):
@@ -190,15 +228,19 @@ def training_state(
     train_state: TrainState,
     *,
     te_recipe: Any = None,
+    recipe: Any = None,
+    log: Any = None,
 ) -> dict[str, Stateful]:
     """Everything a resume needs, as DCP Statefuls. `te_recipe`: the TE recipe object of the
     run; with a DelayedScaling recipe and TE modules in the model, their amax histories and
-    scales are saved too ("te_scaling")."""
+    scales are saved too ("te_scaling"). `recipe`: the run's `recipes.Recipe`; with it a
+    checkpoint saved under another recipe loads too, and `log` gets what carried over."""
+    plan = PrecisionPlan(model, optimizer, recipe, log) if recipe is not None else None
     # Loaded in this order (the model before the optimizer: see OptimizerState).
     state: dict[str, Stateful] = {
         "train": train_state,
-        "model": ModelState(model),
-        "optimizer": OptimizerState(model, optimizer),
+        "model": ModelState(model, plan),
+        "optimizer": OptimizerState(model, optimizer, plan),
         "scheduler": ObjectState(scheduler),
         "loader": ObjectState(loader),
         "rng": RNGState(),

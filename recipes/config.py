@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omegaconf import MISSING
+
+
+@dataclass
+class RecipeSwitchConfig:
+    """One entry of `recipe.switch`: from step `at` on, these recipe fields change (the fields
+    left null keep the value in force before). recipes/switch.py resolves and checks them."""
+
+    #: The last step trained with the recipe before: a step (an integer >= 1), or a fraction
+    #: of the LR schedule in (0, 1) (0.8: after 80% of optim.schedule_steps, train.steps by
+    #: default). The steps after it train with the new recipe.
+    at: float = MISSING
+    #: The recipe's name from that step on (null: unchanged).
+    name: str | None = None
+    #: quantized_init from that step on (null: unchanged; false when switching to bf16).
+    quantized_init: bool | None = None
+    #: bf16_layers from that step on (null: unchanged).
+    bf16_layers: list[int] | None = None
+
 
 @dataclass
 class RecipeConfig:
@@ -30,3 +49,6 @@ class RecipeConfig:
     #: Transformer block indices kept in bf16 (negative counts from the end, e.g. [0, -1]).
     #: The output head is always kept in high precision.
     bf16_layers: list[int] = field(default_factory=list)
+    #: Recipe changes during the run, applied in the running job at their step and again on
+    #: resume, e.g. [{at: 0.8, name: bf16}] (docs/RECIPE_SWITCH.md).
+    switch: list[RecipeSwitchConfig] = field(default_factory=list)

@@ -45,7 +45,15 @@ from pathlib import Path
 # Runs as a script (`python tools/compare_runs.py`): the repository root holds runlog.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runlog import CompareError, Run, compare, load_run, metric_value, steps_with  # noqa: E402
+from runlog import (  # noqa: E402
+    CompareError,
+    Run,
+    compare,
+    load_run,
+    metric_value,
+    recipe_switches,
+    steps_with,
+)
 
 # --------------------------------------------------------------------------------------
 # Plot
@@ -85,6 +93,15 @@ def _x_values(run: Run, steps: Sequence[int], x: str, label: str) -> list[float]
     if any(v is None for v in xs):
         raise CompareError(f"{label}: --x tokens needs tokens_seen in every record; use --x step")
     return xs
+
+
+def switch_marks(runs: Mapping[str, Run], x: str = "step") -> list[tuple[str, float, str]]:
+    """(run label, x position, text) of every recipe switch, for the plot's vertical lines."""
+    marks = []
+    for label, run in runs.items():
+        for step, to in recipe_switches(run).items():
+            marks.append((label, _x_values(run, [step], x, label)[0], f"{label}: recipe {to}"))
+    return marks
 
 
 def plot(
@@ -128,6 +145,18 @@ def plot(
                 moving_average(delta, smooth),
                 label=f"{label} - {labels[0]}",
                 linewidth=1,
+            )
+        for _, where, text in switch_marks(runs, x):  # the step after which the recipe changed
+            for ax in (curves, diffs):
+                ax.axvline(where, color="gray", linestyle="--", linewidth=0.8)
+            curves.annotate(
+                text,
+                (where, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize="x-small",
             )
         diffs.axhline(0.0, color="gray", linewidth=0.5)
         diffs.set(xlabel=xlabel, ylabel=f"{metric} difference", title=f"{metric} - reference")
@@ -229,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs, metrics, rtol=args.rtol or 0.0, atol=args.atol or 0.0, same_steps=args.same_steps
         )
         print(report.format())
+        for label, run in runs.items():
+            for step, to in recipe_switches(run).items():
+                print(f"{label}: recipe switch after step {step} ({to})")
         if args.plot:
             path = plot(runs, metrics, args.plot, smooth=args.smooth, logy=args.logy, x=args.x)
             print(f"plot: {path}")

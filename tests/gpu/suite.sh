@@ -9,6 +9,7 @@
 #   bash tests/gpu/suite.sh step          # training-step table (tools/bench_step.py): llama3_1b on 1 GPU,
 #                                         # llama3_8b FSDP on 2 (STEP_CASES="model:layout:recipe:ac:mbs ..." for others)
 #   bash tests/gpu/suite.sh ckpt          # checkpoint benchmark (tools/bench_checkpoint.py): llama3_1b, 1 GPU or 2
+#   bash tests/gpu/suite.sh switch        # 1 GPU: recipe switch demonstration (tools/recipe_switch_demo.py)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
 #
@@ -193,12 +194,19 @@ scale() {
     "$PY" -m tests.harness.scale "$root" || status=1
 }
 
+# shellcheck disable=SC2329
+switch() {
+    stage "recipe switch: llama3_1b seq 8192, fp8_cs + quantized_init -> bf16 at 80% of ${SWITCH_STEPS:-25} steps"
+    "$PY" tools/recipe_switch_demo.py --steps "${SWITCH_STEPS:-25}" --out "$OUT/recipe_switch" 2>&1 \
+        | tee "$OUT/recipe_switch.log" || status=1
+}
+
 [[ $# -gt 0 ]] || set -- single
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|matrix|scale) "$what" ;;
-        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step|ckpt ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|matrix|scale|switch) "$what" ;;
+        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step|ckpt|switch ..." >&2; exit 2 ;;
     esac
 done
 exit $status
