@@ -401,3 +401,34 @@ def test_activation_checkpointing_saves_memory_and_bad_mode_is_one_line():
     fails(pcfg, 1, "parallel.activation_checkpointing=", "not one of none, full, mlp")
     pcfg = compose_config(["parallel.activation_checkpointing_every=0"]).parallel
     fails(pcfg, 1, "parallel.activation_checkpointing_every=0 must be >= 1")
+
+
+def test_context_parallel_refusals_are_one_line():
+    """What the TE path of context parallelism does not take, refused before any work."""
+    from parallel.cp import check_cp
+
+    llama = ModelConfig(n_heads=32, n_kv_heads=8, dim=4096)
+    check_cp(2, 1, "p2p", "te", llama, document_mask=False)
+    check_cp(4, 2, "a2a", "te", llama, document_mask=False)  # 8 / 2 KV heads split over 4
+    check_cp(2, 1, "a2a+p2p", "torch", llama, document_mask=True)  # the reference takes all
+    for args, fields in (
+        ((2, 1, "p2p", "te", llama, True), ("parallel.cp=2", "data.document_mask=true")),
+        ((2, 1, "a2a+p2p", "te", llama, False), ("parallel.cp_comm_type=a2a+p2p",)),
+        ((4, 4, "a2a", "te", llama, False), ("model.n_kv_heads=8", "parallel.cp=4")),
+    ):
+        with pytest.raises(ConfigError) as e:
+            check_cp(*args[:5], document_mask=args[5])
+        assert "\n" not in str(e.value) and all(f in str(e.value) for f in fields), str(e.value)
+
+
+def test_context_parallel_split_is_load_balanced():
+    """cp rank r holds chunks r and 2cp-1-r; the ranks' pieces cover every position once and
+    each rank's share of causal attention work (the sum of its tokens' positions + 1) is equal."""
+    from parallel.cp import chunk_index
+
+    for cp in (2, 4):
+        pieces = [chunk_index(32, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(pieces).tolist()) == list(range(32))
+        assert pieces[0].tolist()[: 32 // (2 * cp)] == list(range(32 // (2 * cp)))
+        work = {int((p + 1).sum()) for p in pieces}
+        assert len(work) == 1, work

@@ -392,3 +392,23 @@ def test_presets_budget_and_groups(preset, model, seq_len):
     assert cfg.optim.warmup_steps < cfg.train.steps
     for dp in (8, 16, 32):  # 1, 2, 4 nodes of 8 GPUs
         validate_batch(cfg, dp)
+
+
+@pytest.mark.parametrize(
+    "preset, seq_len, cp, nodes",
+    [("llama3_8b_32k", 32768, 4, (1, 2)), ("llama3_8b_128k", 131072, 8, (1, 2, 4))],
+)
+def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nodes):
+    """The long-context presets compose, pass the config and mesh checks on 1-4 nodes of 8
+    GPUs, and spend their token budget."""
+    from parallel import ParallelDims
+
+    cfg, validate_batch = compose([f"experiment={preset}"])
+    assert cfg.model.name == "llama3_8b" and cfg.data.seq_len == seq_len <= cfg.model.max_seq_len
+    assert cfg.parallel.cp == cp and not cfg.data.document_mask
+    assert cfg.train.steps * cfg.train.global_batch_size * seq_len == cfg.experiment["token_budget"]
+    for n in nodes:
+        dims = ParallelDims(cfg.parallel, 8 * n)
+        dims.validate_model(cfg.model)
+        dims.validate_seq_len(seq_len)
+        validate_batch(cfg, dims.dp_size)

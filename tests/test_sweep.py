@@ -56,7 +56,7 @@ def test_exit_status_of_a_sweep():
     assert exit_status([3, 0]) == 3 and exit_status([2, 3]) == 1
 
 
-PRESETS = "llama3_1b_fineweb, llama3_8b_fineweb"
+PRESETS = "llama3_1b_fineweb, llama3_8b_128k, llama3_8b_32k, llama3_8b_fineweb"
 
 
 @pytest.mark.parametrize(
