@@ -44,7 +44,7 @@ from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
 from model import build_model, init_weights, resolve_impl, te_available
 from model.flops import flops_per_token, peak_tflops
-from model.memory import parameter_storage
+from model.memory import estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
 from parallel import ParallelDims, parallelize
 from parallel.cp import check_cp
@@ -94,6 +94,31 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             raise ConfigError(f"recipe.switch[{i - 1}] (to {label(rcfg)}): {e}") from None
     check_logger_config(cfg.logger)
     return dims, grad_accum, impl
+
+
+def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, device) -> str:
+    """The start-up estimate of a GPU's peak memory (model/memory.py), against the GPU's."""
+    p = cfg.parallel
+    est = estimate_gpu_memory(
+        cfg.model,
+        seq_len=cfg.data.seq_len,
+        micro_batch=cfg.train.global_batch_size // dims.dp_size // grad_accum,
+        shards=dims.dp_shard * dims.cp * dims.tp,
+        tp=dims.tp,
+        cp=dims.cp,
+        sequence_parallel=dims.sequence_parallel,
+        activation_checkpointing=p.activation_checkpointing,
+        quantized_weights=cfg.recipe.quantized_init,
+    )
+    have = torch.cuda.get_device_properties(device).total_memory / 2**30
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
+    line = f"memory: about {est['total']:.1f} GiB per GPU ({parts}) of {have:.0f} GiB"
+    if est["total"] > have:
+        line += (
+            "; likely more than the GPU has: raise parallel.cp or parallel.dp_shard, lower "
+            "train.micro_batch_size, or recompute more (parallel.activation_checkpointing)"
+        )
+    return line
 
 
 def schedule_steps(cfg: Config) -> int:
@@ -204,6 +229,8 @@ def run(cfg: Config) -> int:
 
     # 3. Config check: one clear line for any bad input, before GPU memory or data.
     dims, grad_accum, impl = check_config(cfg, world_size, device)
+    if device.type == "cuda":
+        say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
     # The recipe of the first step this run trains (recipe.switch: the resumed step decides).
     switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
     first_step = 1 + (resume_step(cfg.checkpoint, run_dir, world_size) if switches else 0)
