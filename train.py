@@ -140,6 +140,20 @@ def build_training(cfg: Config, rcfg, impl: str, dims: ParallelDims, device, ini
     return recipe, model, optimizer, scheduler
 
 
+def checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, log):
+    """What a checkpoint holds (checkpoint/state.py), under this recipe."""
+    return training_state(
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        train_state,
+        te_recipe=recipe.te_recipe(),
+        recipe=recipe,
+        log=log,
+    )
+
+
 def switch_recipe(cfg: Config, rcfg, step: int, impl, dims, device, ckpt, loader, train_state, say):
     """The recipe switch after `step` (docs/RECIPE_SWITCH.md), once the caller dropped the old
     model and optimizer: the new recipe's model, optimizer and schedule are built and load the
@@ -149,16 +163,7 @@ def switch_recipe(cfg: Config, rcfg, step: int, impl, dims, device, ckpt, loader
     if device.type == "cuda":
         torch.cuda.empty_cache()
     recipe, model, optimizer, scheduler = build_training(cfg, rcfg, impl, dims, device)
-    state = training_state(
-        model,
-        optimizer,
-        scheduler,
-        loader,
-        train_state,
-        te_recipe=recipe.te_recipe(),
-        recipe=recipe,
-        log=say,
-    )
+    state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
     ckpt.reload(step, state)
     apply_config(optimizer, scheduler, cfg.optim)
     model.train()
@@ -277,16 +282,7 @@ def run(cfg: Config) -> int:
     #     wandb id stored in the checkpoint).
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
-    state = training_state(
-        model,
-        optimizer,
-        scheduler,
-        loader,
-        train_state,
-        te_recipe=recipe.te_recipe(),
-        recipe=recipe,
-        log=say,
-    )
+    state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
     ckpt = CheckpointManager(
         cfg.checkpoint, run_dir, rank=rank, world_size=world_size, lock=run_lock
     )

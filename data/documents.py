@@ -104,8 +104,8 @@ class Documents:
 
 
 class DocumentBoundaries:
-    """The tokenizer's boundary rule as a callable: rows (B, S+1) or inputs (B, S) on the CPU
-    -> `Documents` of the inputs. One per run, built next to the loader (data.build_data)."""
+    """The tokenizer's boundary rule as a callable: inputs (B, S) on the CPU -> their
+    `Documents`. One per run, set on the loader by data.build_loader (`loader.boundaries`)."""
 
     def __init__(self, bos_id: int | None, eos_id: int):
         self.bos_id, self.eos_id = bos_id, eos_id

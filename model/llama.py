@@ -201,7 +201,7 @@ class Llama(nn.Module):
         self,
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
-        documents: Documents | None = None,
+        documents: Documents | ContextShard | None = None,
     ) -> torch.Tensor:
         """documents: attention and RoPE positions restart at each document (a batch with no
         boundary inside its rows is plain causal attention); or, under context parallelism,

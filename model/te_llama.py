@@ -166,7 +166,7 @@ class TELlama(nn.Module):
         self,
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
-        documents: Documents | None = None,
+        documents: Documents | ContextShard | None = None,
     ) -> torch.Tensor:
         """The blocks run inside the recipe's TE autocast (bf16_layers with quantization off);
         the embedding, final norm and head are plain modules and run in high precision.

@@ -30,8 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from errors import ConfigError
 from parallel.tp import gather_from_sp
+from runtime import to_device
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -61,8 +64,6 @@ class ContextShard:
         return [ContextShard(p, self.index, self.group, self.cp) for p in self.positions.chunk(n)]
 
     def to(self, device) -> ContextShard:
-        from runtime import to_device
-
         return ContextShard(
             to_device(self.positions, device), to_device(self.index, device), self.group, self.cp
         )
@@ -96,8 +97,6 @@ def shard_batch(inputs, labels, documents, *, cp: int, cp_rank: int, group):
 def check_cp(cp: int, tp: int, comm_type: str, impl: str, mcfg, document_mask: bool) -> None:
     """What this recipe's context parallelism does not do, refused in one line before any
     work (the degrees and sequence length are checked by ParallelDims)."""
-    from errors import ConfigError
-
     if cp == 1 or impl != "te":
         return  # the reference model's all-gather attention takes every combination
     if document_mask:
@@ -124,8 +123,6 @@ def check_cp(cp: int, tp: int, comm_type: str, impl: str, mcfg, document_mask: b
 
 def apply_te_cp(model, cp_group, cp_comm_type: str) -> None:
     """TE's context-parallel attention in every block of the TE model."""
-    import torch.distributed as dist
-
     ranks = dist.get_process_group_ranks(cp_group)
     stream = torch.cuda.Stream()
     for layer in model.layers:

@@ -63,9 +63,8 @@ class FakeQuantizedTensor(torch.Tensor):
     """TE QuantizedTensor's surface: `_quantizer`, `dequantize()`, `quantize_(src)`. Holds the
     dequantized values; saved (torch.save, DCP) as a plain tensor of them."""
 
-    amax_reduction_group = None
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    amax_reduction_group = None  # class attribute, as on Float8Tensor / NVFP4Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops give plain tensors
 
     @staticmethod
     def __new__(cls, data, quantizer):
@@ -76,7 +75,7 @@ class FakeQuantizedTensor(torch.Tensor):
     def __init__(self, data, quantizer):
         pass
 
-    def detach(self):
+    def detach(self):  # TE's QuantizedTensor.detach keeps the quantizer (make_like)
         return type(self)(self, self._quantizer)
 
     def dequantize(self):

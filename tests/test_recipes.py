@@ -47,6 +47,7 @@ from recipes import (
     te_recipe_spec,
     weight_quantizers,
 )
+from tests.fake_te import FakeQuantizedTensor
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -451,26 +452,6 @@ class FakeDebugQuantizer:
 
     def __call__(self, tensor):
         return self.parent_quantizer(tensor)
-
-
-class FakeQuantizedTensor(torch.Tensor):
-    amax_reduction_group = None  # class attribute, as on Float8Tensor / NVFP4Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl  # ops give plain tensors
-
-    @staticmethod
-    def __new__(cls, data, quantizer):
-        t = torch.Tensor._make_subclass(cls, data.as_subclass(torch.Tensor).detach())
-        t._quantizer = quantizer
-        return t
-
-    def __init__(self, data, quantizer):
-        pass
-
-    def detach(self):  # TE's QuantizedTensor.detach keeps the quantizer (make_like)
-        return FakeQuantizedTensor(self, self._quantizer)
-
-    def dequantize(self):
-        return self.as_subclass(torch.Tensor).clone()
 
 
 class FakeTEModule(torch.nn.Module):

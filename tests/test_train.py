@@ -133,8 +133,9 @@ def test_document_masked_resume_is_bitwise_and_reshards(tmp_path):
 def test_context_parallel_checkpoints_resume_at_any_cp(tmp_path):
     """parallel.cp through train.py, document-masked: a cp=2 run (2 processes) equals the
     one-process run; its step-4 checkpoint resumes at cp=1 and at cp=4, and the cp=4 run's
-    step-8 checkpoint resumes at cp=2 again; every resumed curve continues the cp=2 one (fp32:
-    only reduction orders differ). The data order is the loader's, which knows nothing of cp."""
+    step-8 checkpoint resumes at cp=2 again, each continuing the cp=2 curve (fp32:
+    only reduction orders differ); the one-process run's step-8 checkpoint resumes at cp=2
+    and continues its own curve. The data order is the loader's, which knows nothing of cp."""
     steps = ["train.steps=12", "train.log_every=1", "checkpoint=sync", "checkpoint.interval=4"]
     steps.append("checkpoint.keep_last=3")
     cp = ["parallel.dp_shard=1"]
@@ -143,13 +144,14 @@ def test_context_parallel_checkpoints_resume_at_any_cp(tmp_path):
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
 
-    def resume(src: str, dst: str, step: int, *more, nproc: int):
+    def resume(src: str, dst: str, step: int, *more, nproc: int, curve=two):
         keep_only_checkpoint(tmp_path / src, tmp_path / dst, step)
         r, got = train(tmp_path, dst, *steps, *DOCS, *more, nproc=nproc)
         assert f"resumed_from_step={step}" in r.stdout
-        for a, b in zip(two[step:], got[step:]):
+        for a, b in zip(curve[step:], got[step:]):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (dst, a, b)
 
     resume("cp2", "cp1", 4, nproc=1)
     resume("cp2", "cp4", 4, *cp, "parallel.cp=4", nproc=4)
     resume("cp4", "cp4-cp2", 8, *cp, "parallel.cp=2", nproc=2)
+    resume("one", "one-cp2", 8, *cp, "parallel.cp=2", nproc=2, curve=one)
