@@ -8,7 +8,9 @@ for every test and tool that trains (one definition, so they all train the same 
 A batch of loader rows becomes this rank's (inputs, labels, documents) through `BatchLayout`:
 the document boundaries (data.document_mask) and, under context parallelism, this rank's
 part of every row (parallel/cp.py). `documents` is then a data.documents.Documents, a
-parallel.cp.ContextShard, or None.
+parallel.cp.ContextShard, a parallel.cp.DocumentSharding (documents under context
+parallelism: the rows stay whole and each micro batch is split per document when it runs), or
+None.
 """
 
 from __future__ import annotations
@@ -21,22 +23,34 @@ from torch.distributed.fsdp import FSDPModule
 
 from data.documents import Documents
 from optim import clip_grad_norm
-from parallel.cp import shard_batch
+from parallel.cp import ContextShard, DocumentSharding, shard_batch
 from runtime import to_device
 
 
 class BatchLayout:
     """rows (B, S+1) on the CPU -> (inputs, labels, documents) of this rank, on the CPU."""
 
-    def __init__(self, boundaries=None, *, cp: int = 1, cp_rank: int = 0, cp_group=None):
+    def __init__(
+        self, boundaries=None, *, cp: int = 1, cp_rank: int = 0, cp_group=None, align: int = 2
+    ):
+        """align: under context parallelism with documents, every rank's token count is a
+        multiple of it (parallel.cp.split_documents): 2 x tp for the reference model, more
+        for TE's GEMMs (train.py)."""
         self.boundaries, self.cp, self.cp_rank, self.cp_group = boundaries, cp, cp_rank, cp_group
+        self.align = align
 
     def __call__(self, rows: torch.Tensor):
         inputs, labels = rows[:, :-1], rows[:, 1:]
         documents = None if self.boundaries is None else self.boundaries(inputs)
         if self.cp > 1:
             return shard_batch(
-                inputs, labels, documents, cp=self.cp, cp_rank=self.cp_rank, group=self.cp_group
+                inputs,
+                labels,
+                documents,
+                cp=self.cp,
+                cp_rank=self.cp_rank,
+                group=self.cp_group,
+                align=self.align,
             )
         return inputs, labels, documents
 
@@ -56,16 +70,29 @@ def next_token_loss(
     return model(inputs, labels=labels, documents=documents)
 
 
-def _micro_batches(inputs, labels, documents: Documents | None, n: int, device):
+def micro_batches(inputs, labels, documents: Documents | None, n: int, device):
     """The n micro batches of (inputs, labels, documents): documents split on the CPU (where
     their boundaries are known without a sync) and all moved next to the inputs before the
-    first forward is queued."""
-    parts = [None] * n if documents is None else [d.to(device) for d in documents.chunk(n)]
-    return zip(inputs.chunk(n), labels.chunk(n), parts)
+    first forward is queued; under context parallelism, documents are split over the cp
+    ranks here, per micro batch."""
+    parts = [None] * n if documents is None else documents.chunk(n)
+    batches = []
+    for x, y, d in zip(inputs.chunk(n), labels.chunk(n), parts):
+        if isinstance(d, DocumentSharding):
+            batches.append(d.shard(x, y))
+        else:
+            batches.append((x, y, None if d is None else d.to(device)))
+    return batches
 
 
-def _loss(loss_fn, model, x, y, d):
-    return loss_fn(model, x, y) if d is None else loss_fn(model, x, y, d)
+def micro_batch_loss(loss_fn, model, x, y, d):
+    """`loss_fn`'s mean loss of one micro batch of this rank. Under context parallelism with
+    documents the rank's tokens are not an equal share of the micro batch (parallel/cp.py):
+    its mean is scaled by its share, so the mean over the cp ranks is the micro batch's."""
+    loss = loss_fn(model, x, y) if d is None else loss_fn(model, x, y, d)
+    if isinstance(d, ContextShard) and d.loss_scale != 1.0:
+        loss = loss * d.loss_scale
+    return loss
 
 
 def train_step(
@@ -87,9 +114,9 @@ def train_step(
     averages it over data-parallel ranks when it logs. `documents`: the document boundaries
     of `inputs` (CPU, data.documents), split into micro batches as the inputs are."""
     step_loss = torch.zeros((), device=inputs.device)
-    for x, y, d in _micro_batches(inputs, labels, documents, grad_accum, inputs.device):
+    for x, y, d in micro_batches(inputs, labels, documents, grad_accum, inputs.device):
         with autocast if autocast is not None else nullcontext():
-            loss = _loss(loss_fn, model, x, y, d)
+            loss = micro_batch_loss(loss_fn, model, x, y, d)
         (loss / grad_accum).backward()
         step_loss += loss.detach() / grad_accum
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
@@ -125,9 +152,9 @@ def evaluate(
     for batch in batches:
         inputs, labels, documents = layout(batch)
         inputs, labels = to_device(inputs, device), to_device(labels, device)
-        for x, y, d in _micro_batches(inputs, labels, documents, micro_batches, device):
+        for x, y, d in micro_batches(inputs, labels, documents, micro_batches, device):
             with autocast if autocast is not None else nullcontext():
-                total += _loss(loss_fn, model, x, y, d).float()
+                total += micro_batch_loss(loss_fn, model, x, y, d).float()
     total /= len(batches) * micro_batches
     # Without a backward, FSDP2 units that keep their weights gathered after forward (the
     # root, the last block) would stay gathered: leave them sharded, as a training step does.

@@ -47,7 +47,7 @@ from model.flops import flops_per_token, peak_tflops
 from model.memory import estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
 from parallel import ParallelDims, parallelize
-from parallel.cp import check_cp
+from parallel.cp import check_cp, token_align
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
 from recipes.switch import label, recipe_for_step, resolve_switches
@@ -78,7 +78,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto"
         )
     p = cfg.parallel
-    check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, cfg.data.document_mask)
+    check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, p.cp_a2a_size)
     # Every recipe of the run: the first, and each one `recipe.switch` changes to.
     for i, rcfg in enumerate(
         [cfg.recipe, *(s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg)))]
@@ -345,7 +345,11 @@ def run(cfg: Config) -> int:
         eval_every=cfg.eval.every if eval_batches is not None else 0,
     )
     layout = BatchLayout(
-        loader.boundaries, cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group
+        loader.boundaries,
+        cp=dims.cp,
+        cp_rank=dims.cp_rank,
+        cp_group=dims.cp_group,
+        align=token_align(impl, dims.tp),
     )
     profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
     model.train()

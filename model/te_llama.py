@@ -174,9 +174,17 @@ class TELlama(nn.Module):
         in TE's THD layout; a batch with no boundary inside its rows runs the causal path
         (the same mask, TE's faster kernel for it)."""
         if isinstance(documents, ContextShard):
-            documents = None  # TE's context-parallel attention (parallel/cp.py) is causal
+            if documents.cu_seqlens is not None:  # this cp rank's part of padded documents
+                return self._forward_thd(
+                    tokens, labels, documents.cu_seqlens, documents.max_seqlen, cp_padded=True
+                )
+            documents = None  # causal rows: TE's context-parallel attention is causal
         if documents is not None and not documents.whole_rows:
-            return self._forward_documents(tokens, labels, documents)
+            # TE sizes its attention kernels by max_seqlen and caches one cuDNN graph per
+            # value (a build costs far more than a step's attention): a power of two (at most
+            # the row length) keeps the values few whatever the documents' lengths.
+            max_seqlen = min(max(64, 1 << (documents.max_seqlen - 1).bit_length()), tokens.shape[1])
+            return self._forward_thd(tokens, labels, documents.cu_seqlens, max_seqlen)
         x = self.embed(tokens)
         # The frequencies of the whole sequence: TE's fused RoPE picks this rank's positions
         # itself under sequence and context parallelism.
@@ -188,25 +196,33 @@ class TELlama(nn.Module):
             x = x.transpose(0, 1).contiguous()
         return output_head(self, self.norm(x), labels)
 
-    def _forward_documents(self, tokens, labels, documents: Documents) -> torch.Tensor:
+    def _forward_thd(self, tokens, labels, cu_seqlens, max_seqlen: int, cp_padded=False):
         """THD: the batch is one packed stream of B*S tokens (row after row), cut into the
         documents by `cu_seqlens`. The embedding runs on it as a (1, B*S) batch, so sequence
         parallelism splits that stream into contiguous pieces, the order TE's gathers along
-        the token dimension restore."""
+        the token dimension restore. `cp_padded`: tokens are this cp rank's (1, N) part of
+        documents padded to multiples of 2 x cp, `cu_seqlens` the whole padded stream's
+        offsets (parallel/cp.py); the padding is part of its document (after its last real
+        token, so no real token sees it), hence one tensor for every cu_seqlens argument and
+        no padding between sequences for TE to skip."""
         b, s = tokens.shape
         x = self.embed(tokens.reshape(1, b * s)).squeeze(0)  # (T, D), or (T / tp, D) with SP
-        # TE sizes its attention kernels by max_seqlen and caches one cuDNN graph per value
-        # (a build costs far more than a step's attention): a power of two (at most the row
-        # length) keeps the values few whatever the documents' lengths.
-        max_seqlen = min(max(64, 1 << (documents.max_seqlen - 1).bit_length()), s)
+        padded = {}
+        if cp_padded:
+            padded = dict(
+                cu_seqlens_q_padded=cu_seqlens,
+                cu_seqlens_kv_padded=cu_seqlens,
+                pad_between_seqs=False,
+            )
         x = self._blocks(
             x,
             rotary_pos_emb=self.freqs,
             self_attn_mask_type="padding_causal",
-            cu_seqlens_q=documents.cu_seqlens,
-            cu_seqlens_kv=documents.cu_seqlens,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
             max_seqlen_q=max_seqlen,
             max_seqlen_kv=max_seqlen,
+            **padded,
         )
         out = output_head(
             self, self.norm(x.unsqueeze(0)), None if labels is None else labels.reshape(1, -1)

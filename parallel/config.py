@@ -22,6 +22,9 @@ class ParallelConfig:
     #: attention) | all_gather (K/V gathered before attention) | a2a (heads exchanged,
     #: Ulysses-style) | a2a+p2p (hierarchical). The reference model always all-gathers K/V.
     cp_comm_type: str = "p2p"
+    #: a2a+p2p only: ranks of each inner all-to-all group (consecutive cp ranks, e.g. one
+    #: node's GPUs); the cp / cp_a2a_size groups exchange K/V in a p2p ring between them.
+    cp_a2a_size: int | None = None
     #: FSDP2: free the all-gathered weights after forward (re-gather in backward).
     reshard_after_forward: bool = True
     #: FSDP2 mixed precision: dtype of all-gathered params and of gradient reduction.

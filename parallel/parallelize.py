@@ -71,7 +71,7 @@ def parallelize(
         # it in its own forward from the batch's parallel.cp.ContextShard.
         from parallel.cp import apply_te_cp
 
-        apply_te_cp(model, dims.cp_group, pcfg.cp_comm_type)
+        apply_te_cp(model, dims, pcfg.cp_comm_type, pcfg.cp_a2a_size)
     _checkpoint_activations(model, pcfg, impl)
     apply_fsdp(model, dims, pcfg, mixed_precision=mixed_precision)
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -408,17 +409,89 @@ def test_context_parallel_refusals_are_one_line():
     from parallel.cp import check_cp
 
     llama = ModelConfig(n_heads=32, n_kv_heads=8, dim=4096)
-    check_cp(2, 1, "p2p", "te", llama, document_mask=False)
-    check_cp(4, 2, "a2a", "te", llama, document_mask=False)  # 8 / 2 KV heads split over 4
-    check_cp(2, 1, "a2a+p2p", "torch", llama, document_mask=True)  # the reference takes all
+    check_cp(2, 1, "p2p", "te", llama, None)
+    check_cp(4, 2, "a2a", "te", llama, None)  # 8 / 2 KV heads split over 4
+    check_cp(8, 1, "a2a+p2p", "te", llama, 4)  # heads over groups of 4, a ring of 2 groups
+    check_cp(2, 1, "a2a+p2p", "torch", llama, None)  # the reference model takes every type
     for args, fields in (
-        ((2, 1, "p2p", "te", llama, True), ("parallel.cp=2", "data.document_mask=true")),
-        ((2, 1, "a2a+p2p", "te", llama, False), ("parallel.cp_comm_type=a2a+p2p",)),
-        ((4, 4, "a2a", "te", llama, False), ("model.n_kv_heads=8", "parallel.cp=4")),
+        ((2, 1, "a2a+p2p", "te", llama, None), ("parallel.cp_a2a_size", "a divisor of 2")),
+        ((8, 1, "a2a+p2p", "te", llama, 8), ("parallel.cp_a2a_size", "between 2 and 4")),
+        ((8, 1, "a2a+p2p", "te", llama, 3), ("parallel.cp_a2a_size", "a divisor of 8")),
+        ((8, 4, "a2a+p2p", "te", llama, 4), ("model.n_kv_heads=8", "cp_a2a_size=4")),
+        ((4, 1, "p2p", "te", llama, 2), ("parallel.cp_a2a_size=2", "a2a+p2p only")),
+        ((4, 4, "a2a", "te", llama, None), ("model.n_kv_heads=8", "parallel.cp=4")),
     ):
         with pytest.raises(ConfigError) as e:
-            check_cp(*args[:5], document_mask=args[5])
+            check_cp(*args)
         assert "\n" not in str(e.value) and all(f in str(e.value) for f in fields), str(e.value)
+
+
+def test_document_split_matches_the_thd_contract():
+    """Per-document context-parallel split (TE's THD layout): every document padded to a
+    multiple of 2 x cp and cut into 2 x cp chunks, rank r holding chunks r and 2cp-1-r of each
+    document in document order; every real token exactly once; padding after each document's
+    last token; the stream a multiple of cp x align; loss scales summing to cp. Checked
+    against a direct construction document by document."""
+    from parallel.cp import split_documents
+
+    rng = np.random.default_rng(0)
+    for cp, align, rows, seq in ((2, 2, 2, 64), (4, 2, 3, 64), (2, 128, 1, 256), (4, 8, 2, 32)):
+        starts = rng.random((rows, seq)) < 0.08
+        starts[:, 0] = True
+        idx = np.arange(seq)
+        positions = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+        split = split_documents(positions, cp, align)
+        # The documents, in the row-major stream, and the reference layout built from them.
+        flat = positions.reshape(-1)
+        bounds = np.append(np.flatnonzero(flat == 0), flat.size)
+        expect_src = [[] for _ in range(cp)]
+        cu = [0]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            n = b - a
+            p = -(-n // (2 * cp)) * (2 * cp)
+            doc = [a + i if i < n else -1 for i in range(p)]
+            c = p // (2 * cp)
+            for r in range(cp):
+                expect_src[r] += (
+                    doc[r * c : (r + 1) * c] + doc[(2 * cp - 1 - r) * c : (2 * cp - r) * c]
+                )
+            cu.append(cu[-1] + p)
+        tail = -cu[-1] % (cp * align)
+        if tail:
+            for r in range(cp):
+                expect_src[r] += [-1] * (tail // cp)
+            cu.append(cu[-1] + tail)
+        assert split.cu_seqlens.tolist() == cu
+        assert split.cu_seqlens.dtype == np.int32
+        for r in range(cp):
+            assert split.source[r].tolist() == expect_src[r], (cp, r)
+            assert len(split.source[r]) % align == 0
+            # stream_index locates the token in the padded stream; positions count from its
+            # padded document's start.
+            doc_of = np.searchsorted(split.cu_seqlens, split.stream_index[r], side="right") - 1
+            assert (split.positions[r] == split.stream_index[r] - split.cu_seqlens[doc_of]).all()
+            real = split.source[r] >= 0
+            assert (split.positions[r][real] == flat[split.source[r][real]]).all()
+        every = np.concatenate(split.source)
+        assert sorted(every[every >= 0].tolist()) == list(range(flat.size))
+        assert sorted(np.concatenate(split.stream_index).tolist()) == list(range(cu[-1]))
+        assert split.max_len == max(np.diff(cu))
+
+
+def test_document_sharding_whole_rows_equal_the_causal_split():
+    """A micro batch whose documents are whole rows: the per-document split holds the same
+    tokens as the causal row split (each row cut into 2 x cp chunks), nothing padded."""
+    from data.documents import Documents
+    from parallel.cp import DocumentSharding, chunk_index
+
+    rows, seq, cp = 3, 32, 2
+    tokens = torch.arange(rows * seq).view(rows, seq)
+    docs = Documents.from_positions(torch.arange(seq).expand(rows, seq))
+    for r in range(cp):
+        x, y, shard = DocumentSharding(docs, cp, r, None, 2).shard(tokens, tokens + 1)
+        expect = tokens[:, chunk_index(seq, cp, r)].reshape(1, -1)
+        assert torch.equal(x, expect) and torch.equal(y, expect + 1)
+        assert shard.loss_scale == 1.0 and shard.cu_seqlens.tolist() == [0, 32, 64, 96]
 
 
 def test_context_parallel_split_is_load_balanced():

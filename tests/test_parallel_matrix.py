@@ -33,7 +33,7 @@ from model.llama import Linear, Llama, RMSNorm, document_causal_mask, output_hea
 from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
-from steps import BatchLayout, train_step
+from steps import BatchLayout, micro_batch_loss, micro_batches, train_step
 from tests.distributed import run_distributed
 from tests.helpers import full_logits_loss
 
@@ -81,7 +81,9 @@ def batches(cfg: ModelConfig, steps: int, documents: bool = False) -> torch.Tens
 def batch_layout(documents: bool, dims=None) -> BatchLayout:
     """The trainer's BatchLayout for these cases: DOC_BOS boundaries when `documents`, this
     rank's context-parallel part when dims.cp > 1."""
-    cp = {} if dims is None else dict(cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group)
+    cp = {}
+    if dims is not None:
+        cp = dict(cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group, align=2 * dims.tp)
     return BatchLayout(BOUNDARIES if documents else None, **cp)
 
 
@@ -120,7 +122,8 @@ def train(
 def first_grads(model, data, dp_rank=0, dp_size=1, documents=False, dims=None) -> None:
     """Forward and backward of the first batch (step 1's gradients), leaving them in .grad."""
     inputs, labels, docs = batch_layout(documents, dims)(rank_slice(data, 0, dp_rank, dp_size))
-    full_logits_loss(model, inputs, labels, docs).backward()
+    ((x, y, d),) = micro_batches(inputs, labels, docs, 1, inputs.device)
+    micro_batch_loss(full_logits_loss, model, x, y, d).backward()
 
 
 def reference_losses(tie: bool, documents: bool = False) -> list[float]:
