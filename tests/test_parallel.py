@@ -505,3 +505,21 @@ def test_context_parallel_split_is_load_balanced():
         assert pieces[0].tolist()[: 32 // (2 * cp)] == list(range(32 // (2 * cp)))
         work = {int((p + 1).sum()) for p in pieces}
         assert len(work) == 1, work
+
+
+def _a2a_p2p(rank, world_size):
+    """Mesh dp_shard=2 x cp=4 (tp=2 on 16 ranks would be the same rule): each cp group's ranks
+    in cp order, split into a2a groups of 2 consecutive cp ranks and p2p rings across them."""
+    from parallel.cp import a2a_p2p_groups
+
+    mesh = torch.arange(world_size).view(1, 2, 4, 1)
+    a2a, p2p = a2a_p2p_groups(mesh.movedim(2, -1).reshape(-1, 4), 2, rank)
+    base, i = divmod(rank, 4)  # this rank's cp group starts at 4 x base; cp rank i
+    assert dist.get_process_group_ranks(a2a) == [4 * base + (i // 2) * 2 + k for k in range(2)]
+    assert dist.get_process_group_ranks(p2p) == [4 * base + j * 2 + i % 2 for j in range(2)]
+    # TE numbers the rank a2a_size x p2p rank + a2a rank: its cp rank.
+    assert 2 * dist.get_rank(p2p) + dist.get_rank(a2a) == i
+
+
+def test_a2a_p2p_groups_follow_te_rank_numbering():
+    run_distributed(_a2a_p2p, 8)
