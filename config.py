@@ -50,6 +50,13 @@ class TrainConfig:
     #: Steps to record with torch.profiler (a contiguous range, e.g. [10,11,12]); the trace
     #: and a kernel table go to <run_dir>/profile/ (profiling.py). Empty: no profiling.
     profile_steps: list[int] = field(default_factory=list)
+    #: Deterministic GPU kernels (runtime.apply_determinism: TE attention, cuBLAS, cuDNN,
+    #: torch's deterministic algorithms), so two runs, or a run and its resume, give the same
+    #: losses bit for bit on the same GPUs and world size; costs some speed and memory (README,
+    #: Determinism). Also true when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
+    #: CUBLAS_WORKSPACE_CONFIG=:4096:8 are set by hand (the record says what was in effect).
+    #: It changes no math, so a resume may turn it on or off.
+    deterministic: bool = False
 
 
 @dataclass
@@ -353,6 +360,7 @@ RESUME_FREE = (
     "train.log_every",
     "train.peak_tflops",
     "train.profile_steps",
+    "train.deterministic",
     "parallel.name",
     "parallel.dp_replicate",
     "parallel.dp_shard",
