@@ -594,10 +594,17 @@ class SegmentConfig:
         check_recipe_at_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
 
     def record(
-        self, run_dir: Path, start_step: int, recipe: str | None = None, switch: str | None = None
+        self,
+        run_dir: Path,
+        start_step: int,
+        recipe: str | None = None,
+        switch: str | None = None,
+        device: str | None = None,
     ) -> Path:
         """recipe: the recipe this segment trains with (recipe.switch runs); switch: the recipe
-        before, when the segment starts at a switch inside the running job."""
+        before, when the segment starts at a switch inside the running job; device: where it
+        ran (cpu, cuda), for tools/compare_runs.py (a GPU run without train.deterministic
+        differs from its repeat by noise)."""
         import time
 
         configs = run_dir / "configs"
@@ -612,6 +619,8 @@ class SegmentConfig:
             header += f"; recipe switch: {switch} -> {recipe}"
         elif recipe is not None:
             header += f"; recipe: {recipe}"
+        if device is not None:
+            header += f"; device: {device}"
         segment = configs / f"segment-{start_step:07d}.yaml"
         if segment.exists():
             segment.rename(configs / f"segment-{start_step:07d}.{stamp}.yaml")

@@ -306,7 +306,7 @@ def run(cfg: Config) -> int:
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
     if rank == 0 and start_step < cfg.train.steps:  # a segment that trains: record it
-        recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg))
+        recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg), device=device.type)
         if segment.accepted:
             accepted = "; ".join(map(str, segment.accepted))
             say(
@@ -434,7 +434,9 @@ def run(cfg: Config) -> int:
                 )
             param_bytes, param_local_numel = parameter_storage(model)
             if rank == 0:
-                segment.record(run_dir, step, recipe=label(recipe.cfg), switch=old)
+                segment.record(
+                    run_dir, step, recipe=label(recipe.cfg), switch=old, device=device.type
+                )
             logger.info(
                 f"recipe switch after step {step}: {old} -> {label(recipe.cfg)} "
                 f"in {clock.eval_last:.1f}s"
