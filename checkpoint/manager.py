@@ -51,11 +51,14 @@ Resume (`checkpoint.resume`): `auto` takes the newest step directory of this run
 directory (none: start at step 0); `none` starts fresh; anything else is a path. Before
 loading, rank 0 checks the manifest (present, every file there with its size, each data
 file's trailer naming this save), `.metadata` (readable, same save id) and config.yaml (a
-config whose model shape matches this run); then every rank hashes its share of the files
-against the manifest (checkpoint.checksum), and checks that each tensor it will load exists
-with the same global shape. Each failure is a one-line ConfigError on every rank naming the
-checkpoint and the problem. A damaged checkpoint is never loaded and never skipped, in auto
-mode too: the error names the previous complete checkpoint to pass as
+config whose model shape matches this run, with the hashes of `.metadata` and config.yaml);
+every rank checks that each tensor it will load exists with the same global shape; then the
+load reads each byte once and verifies the data files' hashes as it reads them
+(checkpoint/reader.py, checkpoint.checksum): one rank hashes each file front to back. Each
+failure is a one-line ConfigError on every rank naming the checkpoint and the problem, raised
+before any Stateful's load_state_dict and before the run trains or saves (a damaged file may
+have put some of its values into the model by then; the run stops). A damaged checkpoint is
+never used and never skipped, in auto mode too: the error names the previous complete checkpoint to pass as
 `checkpoint.resume=<path>` (or the damaged directory can be moved away). Resuming from an
 older step, or with resume=none, renames the newer step directories of this directory to
 `*.abandoned-<time>` (kept, ignored) so the new timeline's saves and pruning never mix with
