@@ -36,8 +36,8 @@ evicted from the page cache (posix_fadvise DONTNEED on its files, and /proc/sys/
 where writable) and train.py's run() resumes it with nothing left to train; its time (the
 manager's `resumed` record: pick, load with the hashes verified as the bytes are read,
 checks) is compared with the disk's read rate, measured just before and after (every rank
-reads --disk-gb / ranks of files it wrote and evicted, with 1 and write_threads streams; the
-faster counts).
+reads --disk-gb / ranks of files it wrote and evicted, in write_threads streams: as many files
+as the resume reads at once).
 
 Targets (issues #14, #28), checked at the end: async blocked/save <= 0.5 s and <= 5% of sync's;
 total - queued <= 1.25 x bytes / disk ceiling; staging >= 70% of the D2H ceiling; write >= 80%
@@ -281,17 +281,21 @@ def _read_stream(path: Path, out: list) -> None:
     out.append(n)
 
 
-def disk_read_ceiling(
-    directory: Path, total_bytes: int, streams: int, rank: int, world: int
-) -> float:
-    """Aggregate GB/s of every rank reading total_bytes / world from `streams` files it wrote
-    and evicted from the page cache (drop_cached) just before."""
+def read_probe_files(directory: Path, total_bytes: int, streams: int, rank: int, world: int):
+    """This rank's share of total_bytes in `streams` files, written and fsync'ed, for
+    disk_read_ceiling."""
     directory.mkdir(parents=True, exist_ok=True)
     per_stream = max(total_bytes // world // streams, _CHUNK)
     block = os.urandom(_CHUNK)
     paths = [directory / f"read-probe-r{rank}-s{i}" for i in range(streams)]
     for p in paths:
         _write_stream(p, per_stream, block)
+    return paths
+
+
+def disk_read_ceiling(paths: list[Path], world: int) -> float:
+    """Aggregate GB/s of every rank reading its probe files (one thread each) after evicting
+    them from the page cache (drop_cached)."""
     drop_cached(paths)
     _barrier()
     got: list[int] = []
@@ -302,8 +306,6 @@ def disk_read_ceiling(
     for t in threads:
         t.join()
     elapsed = _max_over_ranks(time.perf_counter() - t0)
-    for p in paths:
-        p.unlink(missing_ok=True)
     return sum(got) * world / elapsed / 1e9
 
 
@@ -321,15 +323,13 @@ def measure_resume(mode: str, args, overrides: list[str], root: Path, threads: i
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     run_dir = root / f"bench-{mode}"
-    disk_total = int(args.disk_gb * 1e9)
-    reads = [
-        max(
-            disk_read_ceiling(root / "disk-probe", disk_total, n, rank, world)
-            for n in sorted({1, threads})
-        )
-    ]
+    # Read with as many streams per rank as the resume reads files (checkpoint.write_threads).
+    probes = read_probe_files(root / "disk-probe", int(args.disk_gb * 1e9), threads, rank, world)
+    reads = [disk_read_ceiling(probes, world)]
     newest = store.newest_complete(run_dir / "checkpoints")
     if newest is None:
+        for p in probes:
+            p.unlink(missing_ok=True)
         return {"error": f"no checkpoint in {run_dir / 'checkpoints'} to resume"}
     how = drop_cached(sorted(p for p in newest.path.rglob("*") if p.is_file()))
     _barrier()
@@ -347,12 +347,9 @@ def measure_resume(mode: str, args, overrides: list[str], root: Path, threads: i
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     _barrier()
-    reads.append(
-        max(
-            disk_read_ceiling(root / "disk-probe", disk_total, n, rank, world)
-            for n in sorted({1, threads})
-        )
-    )
+    reads.append(disk_read_ceiling(probes, world))
+    for p in probes:
+        p.unlink(missing_ok=True)
     record = next(
         (
             r

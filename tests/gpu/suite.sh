@@ -95,7 +95,8 @@ step() {
 # shellcheck disable=SC2329
 ckpt() {
     # tools/bench_checkpoint.py: sync, async, async_process saves of llama3_1b (seq 8192, mbs 4,
-    # 14 GiB per checkpoint) against the D2H and disk ceilings; on 2 GPUs when there are 2+.
+    # 14 GiB per checkpoint) against the D2H and disk ceilings, then the resume of the last
+    # mode's checkpoint from a cold page cache against the disk's read rate; on 2 GPUs when there are 2+.
     local n=1 launch=("$PY")
     if [[ $NGPU -ge 2 ]]; then n=2; launch=(torchrun --standalone --nproc_per_node=2); fi
     stage "checkpoint saves, llama3_1b seq 8192, $n GPU(s): blocked and total per save vs ceilings"
