@@ -50,6 +50,13 @@ class TrainConfig:
     #: Steps to record with torch.profiler (a contiguous range, e.g. [10,11,12]); the trace
     #: and a kernel table go to <run_dir>/profile/ (profiling.py). Empty: no profiling.
     profile_steps: list[int] = field(default_factory=list)
+    #: Deterministic GPU kernels (runtime.apply_determinism: TE attention, cuBLAS, cuDNN,
+    #: torch's deterministic algorithms), so two runs, or a run and its resume, give the same
+    #: losses bit for bit on the same GPUs and world size; costs some speed and memory (README,
+    #: Determinism). Also true when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
+    #: CUBLAS_WORKSPACE_CONFIG=:4096:8 are set by hand (the record says what was in effect).
+    #: It changes no math, so a resume may turn it on or off.
+    deterministic: bool = False
 
 
 @dataclass
@@ -353,6 +360,7 @@ RESUME_FREE = (
     "train.log_every",
     "train.peak_tflops",
     "train.profile_steps",
+    "train.deterministic",
     "parallel.name",
     "parallel.dp_replicate",
     "parallel.dp_shard",
@@ -586,10 +594,17 @@ class SegmentConfig:
         check_recipe_at_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
 
     def record(
-        self, run_dir: Path, start_step: int, recipe: str | None = None, switch: str | None = None
+        self,
+        run_dir: Path,
+        start_step: int,
+        recipe: str | None = None,
+        switch: str | None = None,
+        device: str | None = None,
     ) -> Path:
         """recipe: the recipe this segment trains with (recipe.switch runs); switch: the recipe
-        before, when the segment starts at a switch inside the running job."""
+        before, when the segment starts at a switch inside the running job; device: where it
+        ran (cpu, cuda), for tools/compare_runs.py (a GPU run without train.deterministic
+        differs from its repeat by noise)."""
         import time
 
         configs = run_dir / "configs"
@@ -604,6 +619,8 @@ class SegmentConfig:
             header += f"; recipe switch: {switch} -> {recipe}"
         elif recipe is not None:
             header += f"; recipe: {recipe}"
+        if device is not None:
+            header += f"; device: {device}"
         segment = configs / f"segment-{start_step:07d}.yaml"
         if segment.exists():
             segment.rename(configs / f"segment-{start_step:07d}.{stamp}.yaml")

@@ -133,6 +133,65 @@ def _public(row: Mapping) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("_")}
 
 
+@dataclass
+class Segment:
+    """One segment of a run directory (configs/segment-<step>.yaml: a job, or a recipe
+    switch inside one): where it started, whether train.deterministic was in effect, and the
+    device it ran on (None: not recorded, e.g. a run older than the record)."""
+
+    start_step: int
+    deterministic: bool
+    device: str | None
+    train_device: str
+
+
+_DEVICE_RE = re.compile(r"; device: (\w+)")
+
+
+def run_segments(path: str | Path) -> list[Segment]:
+    """The segments a local run directory recorded (empty for a wandb online run, a bare
+    metrics.jsonl, or a run directory without configs/)."""
+    import yaml
+
+    p = Path(path)
+    run_dir = _enclosing_run_dir(p) if p.exists() else None
+    configs = run_dir / "configs" if run_dir is not None else None
+    if configs is None or not configs.is_dir():
+        return []
+    out = []
+    for f in sorted(configs.glob("segment-*.yaml")):
+        m = re.match(r"segment-(\d+)\.yaml$", f.name)
+        if not m:
+            continue  # a replaced segment (segment-<step>.<time>.yaml)
+        try:
+            text = f.read_text()
+            config = yaml.safe_load(text) or {}
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue
+        train = config.get("train") or {} if isinstance(config, dict) else {}
+        found = _DEVICE_RE.search(text.splitlines()[0]) if text else None
+        out.append(
+            Segment(
+                start_step=int(m.group(1)),
+                deterministic=bool(train.get("deterministic", False)),
+                device=found.group(1) if found else None,
+                train_device=str(train.get("device", "auto")),
+            )
+        )
+    return out
+
+
+def nondeterministic_gpu_segments(path: str | Path) -> list[Segment]:
+    """Segments that ran (or, unrecorded, may have run) on a GPU without train.deterministic:
+    their losses differ from a repeat's by noise."""
+    return [
+        s
+        for s in run_segments(path)
+        if not s.deterministic
+        and (s.device == "cuda" or (s.device is None and s.train_device != "cpu"))
+    ]
+
+
 # --------------------------------------------------------------------------------------
 # Comparing
 

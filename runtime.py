@@ -42,6 +42,70 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+#: What `train.deterministic=true` sets in the environment (unless already set to a
+#: deterministic value): TE's DotProductAttention reads NVTE_ALLOW_NONDETERMINISTIC_ALGO when
+#: each attention module is built (it also honours torch's deterministic flag) and then keeps
+#: only backends with a deterministic backward (on sm_90 the cuDNN fused kernel stays, run in
+#: its deterministic mode); cuBLAS reads CUBLAS_WORKSPACE_CONFIG when a handle is created
+#: (the first matmul of a thread on a device), so a fixed workspace split is chosen.
+DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+#: CUBLAS_WORKSPACE_CONFIG values cuBLAS documents as deterministic.
+_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+def deterministic_env(environ=None) -> bool:
+    """Whether the environment alone asks for deterministic GPU kernels (both variables set by
+    hand to deterministic values): such a run is recorded as train.deterministic=true."""
+    env = os.environ if environ is None else environ
+    return (
+        env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0"
+        and env.get("CUBLAS_WORKSPACE_CONFIG") in _CUBLAS_DETERMINISTIC
+    )
+
+
+def apply_determinism(on: bool) -> str | None:
+    """`train.deterministic`: the one place its settings are made, before any cuBLAS handle or
+    TE module exists (train.run calls it first). Sets DETERMINISTIC_ENV (a value the user set
+    that is already deterministic is kept), torch.use_deterministic_algorithms(True,
+    warn_only=True) (an op without a deterministic kernel warns, naming itself, instead of
+    stopping a run; the GPU determinism test compares runs bit for bit) without filling new
+    memory with NaN (torch's default under the flag: a cost on every allocation, and nothing
+    reads memory it did not write), cuDNN deterministic with autotuning off. NCCL needs nothing
+    on one node: its algorithm is chosen from message size and topology, so the same world
+    size on the same GPUs reduces in the same order (another world size does not).
+    Returns the start-up line, or None when off."""
+    if not on:
+        return None
+    was_initialized = torch.cuda.is_available() and torch.cuda.is_initialized()
+    set_here = []
+    for name, value in DETERMINISTIC_ENV.items():
+        current = os.environ.get(name)
+        ok = (
+            current in _CUBLAS_DETERMINISTIC
+            if name == "CUBLAS_WORKSPACE_CONFIG"
+            else current == value
+        )
+        if not ok:
+            os.environ[name] = value
+            current = value
+        set_here.append(f"{name}={current}")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    line = (
+        "deterministic: on (" + ", ".join(set_here) + ", torch.use_deterministic_algorithms, "
+        "cudnn.deterministic, cudnn.benchmark=False): runs and resumes repeat bit for bit on the "
+        "same GPUs and world size, at some cost in speed and memory (README, Determinism)"
+    )
+    if was_initialized:
+        line += (
+            "; warning: CUDA was initialized before these settings, so a cuBLAS handle made "
+            "earlier keeps its workspace configuration"
+        )
+    return line
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated GPU memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":

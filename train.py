@@ -54,6 +54,8 @@ from recipes.switch import label, recipe_for_step, resolve_switches
 from runtime import (
     EXIT_REQUEUE,
     StopSignal,
+    apply_determinism,
+    deterministic_env,
     exit_status,
     peak_memory_gb,
     pick_device,
@@ -219,6 +221,18 @@ def run(cfg: Config) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(cfg.train.device)
     say = print if rank == 0 else (lambda *a, **k: None)
+    # Deterministic kernels before anything makes a cuBLAS handle or a TE module; a run whose
+    # environment already asks for them is recorded as deterministic (config.TrainConfig).
+    if not cfg.train.deterministic and deterministic_env():
+        cfg.train.deterministic = True
+        say(
+            "deterministic: the environment sets NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and "
+            "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true",
+            flush=True,
+        )
+    line = apply_determinism(cfg.train.deterministic)
+    if line:
+        say(line, flush=True)
 
     # 1. Processes. The group comes before the config check because step 2 runs on rank 0
     #    first (a download) and decides the model shape the check needs.
@@ -292,7 +306,7 @@ def run(cfg: Config) -> int:
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
     if rank == 0 and start_step < cfg.train.steps:  # a segment that trains: record it
-        recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg))
+        recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg), device=device.type)
         if segment.accepted:
             accepted = "; ".join(map(str, segment.accepted))
             say(
@@ -424,7 +438,9 @@ def run(cfg: Config) -> int:
                 )
             param_bytes, param_local_numel = parameter_storage(model)
             if rank == 0:
-                segment.record(run_dir, step, recipe=label(recipe.cfg), switch=old)
+                segment.record(
+                    run_dir, step, recipe=label(recipe.cfg), switch=old, device=device.type
+                )
             logger.info(
                 f"recipe switch after step {step}: {old} -> {label(recipe.cfg)} "
                 f"in {clock.eval_last:.1f}s"

@@ -31,8 +31,9 @@ class CheckpointConfig:
     resume: str = "auto"
     save_at_end: bool = True
     #: Hash every file while it is written (xxh3-64 with the xxhash package, else CRC32),
-    #: record the hashes in the manifest and check them on resume (each rank re-reads its
-    #: share of the files). false: sizes and save ids are still checked, bit flips are not.
+    #: record the hashes in the manifest and check them on resume, with the bytes the load
+    #: reads (checkpoint/reader.py). false: sizes and save ids are still checked, bit flips
+    #: are not.
     checksum: bool = True
     #: Async modes, a periodic save due while every staging buffer is still being written:
     #: defer (save at the first step a buffer is free; default), skip (drop this save), wait

@@ -52,6 +52,7 @@ def test_harmless_fields_resume_without_a_word():
         "parallel=fsdp_tp",
         "parallel.activation_checkpointing=full",
         "train.profile_steps=[3,4]",
+        "train.deterministic=true",
         "eval.batches=9",
         "data.num_proc=4",
         "optim.schedule_steps=300",  # = train.steps: the schedule is unchanged

@@ -1,6 +1,7 @@
 """Compare training runs step by step: loss parity across resumes, layouts and recipes.
 
     python tools/compare_runs.py runs/a runs/a-resumed --assert-equal
+    python tools/compare_runs.py runs/a runs/b runs/a-resumed --exact
     python tools/compare_runs.py runs/bf16 runs/fp8_cs --metrics loss,val_loss --rtol 2e-2
     python tools/compare_runs.py runs/a me/te-llama/3xk2p9aa --plot a.png --smooth 20 --logy
     python tools/compare_runs.py runs/lr1 runs/lr2 --metrics val_loss --plot v.png --x tokens
@@ -9,6 +10,12 @@ The first run is the reference; every other run is compared with it on the steps
 logged. Per metric it prints the number of common steps, the max absolute and relative
 difference (relative to the reference value), and the first step where the two differ by
 more than `atol + rtol * |reference|` (the defaults, 0 and 0, mean "not bitwise equal").
+
+`--exact` fails on any difference: bitwise equal values on the same set of steps, and it lists
+each run's first differing step with both values. A run directory whose recorded config
+(configs/segment-*.yaml: train.deterministic, and the device train.py ran on) says it ran on a
+GPU without `train.deterministic` gets one line saying its differences from another run are
+expected noise, with the tolerance used.
 
 `--plot FILE` also writes a PNG: per metric, the curves and each run minus the reference.
 `--smooth N` draws each curve as the trailing moving average of its last N logged points
@@ -23,8 +30,8 @@ A run is any of:
     `offline-run-*` directories): read as that run directory's metrics.jsonl;
   - `entity/project/run_id` of an online wandb run (full history through wandb.Api).
 
-Exit status: 0 when the runs agree (or when no check was asked for), 1 when `--assert-equal`
-or `--rtol/--atol` was given and a metric differs beyond tolerance on a common step, or the
+Exit status: 0 when the runs agree (or when no check was asked for), 1 when `--assert-equal`,
+`--exact` or `--rtol/--atol` was given and a metric differs beyond tolerance on a common step, or the
 runs share no step for it (a comparison that compares nothing does not pass), or
 `--same-steps` was given and the step sets differ; 2 for bad input (a path that is not a
 run, a metric no run logged, `--x tokens` on a run without tokens_seen, `--plot` without
@@ -51,6 +58,7 @@ from runlog import (  # noqa: E402
     compare,
     load_run,
     metric_value,
+    nondeterministic_gpu_segments,
     recipe_switches,
     steps_with,
 )
@@ -183,6 +191,46 @@ def _labels(paths: Sequence[str]) -> list[str]:
     return labels
 
 
+def first_differences(runs: Mapping[str, Run], report) -> list[str]:
+    """`--exact`: for each run and metric that differs, the first differing step with both
+    values (or the steps only one run logged)."""
+    lines = []
+    for d in report.diffs:
+        if d.first_diff_step is not None:
+            step = d.first_diff_step
+            a = metric_value(runs[d.reference].get(step), d.metric)
+            b = metric_value(runs[d.other].get(step), d.metric)
+            lines.append(
+                f"first difference: {d.metric} at step {step}: {d.reference} {a!r}, {d.other} {b!r}"
+            )
+        elif d.only_reference or d.only_other:
+            missing = min(d.only_reference + d.only_other)
+            lines.append(f"first difference: {d.metric} at step {missing}: logged by one run only")
+    return lines
+
+
+def noise_notes(label: str, path: str, report) -> list[str]:
+    """One line per run that ran on a GPU without train.deterministic (read from its run
+    directory's configs/): its differences from a repeat are expected noise."""
+    segments = nondeterministic_gpu_segments(path)
+    if not segments:
+        return []
+    steps = ", ".join(str(s.start_step) for s in segments)
+    where = "ran on a GPU" if all(s.device == "cuda" for s in segments) else "may have run on a GPU"
+    tol = ""
+    if report is not None:
+        tol = (
+            " (compared bitwise)"
+            if report.rtol == 0 and report.atol == 0
+            else f" (compared with rtol={report.rtol:g} atol={report.atol:g})"
+        )
+    return [
+        f"note: {label} {where} without train.deterministic (segment(s) from step {steps}): "
+        f"its differences from another run are expected noise{tol}; rerun both with "
+        "train.deterministic=true to compare bit for bit"
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Compare runs step by step (the first run is the reference).",
@@ -196,6 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics", default="loss", help="comma-separated (default: loss)")
     parser.add_argument(
         "--assert-equal", action="store_true", help="fail unless bitwise equal on every common step"
+    )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="fail on any difference: bitwise equal values on the same steps (lists the first "
+        "differing step)",
     )
     parser.add_argument(
         "--rtol",
@@ -228,9 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     tolerances = args.rtol is not None or args.atol is not None
-    if args.assert_equal and tolerances:
-        print("error: use either --assert-equal or --rtol/--atol", file=sys.stderr)
+    if (args.assert_equal or args.exact) and tolerances:
+        print("error: use either --assert-equal/--exact or --rtol/--atol", file=sys.stderr)
         return 2
+    if args.exact:
+        args.assert_equal = args.same_steps = True
     if len(args.runs) < 2:
         print("error: give two or more runs", file=sys.stderr)
         return 2
@@ -258,6 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs, metrics, rtol=args.rtol or 0.0, atol=args.atol or 0.0, same_steps=args.same_steps
         )
         print(report.format())
+        if args.exact:
+            for line in first_differences(runs, report):
+                print(line)
+        checking = args.assert_equal or tolerances
+        for label, path in zip(runs, args.runs):
+            for line in noise_notes(label, path, report if checking else None):
+                print(line)
         for label, run in runs.items():
             for step, to in recipe_switches(run).items():
                 print(f"{label}: recipe switch after step {step} ({to})")

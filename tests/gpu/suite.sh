@@ -10,6 +10,9 @@
 #                                         # llama3_8b FSDP on 2 (STEP_CASES="model:layout:recipe:ac:mbs ..." for others)
 #   bash tests/gpu/suite.sh ckpt          # checkpoint benchmark (tools/bench_checkpoint.py): llama3_1b, 1 GPU or 2
 #   bash tests/gpu/suite.sh switch        # 1 GPU: recipe switch demonstration (tools/recipe_switch_demo.py)
+#   bash tests/gpu/suite.sh determinism   # 1 GPU: train.deterministic, two runs and a resume bitwise per sm_90 recipe
+#                                         # (small model test), then tools/bench_determinism.py: llama3_1b seq 8192
+#                                         # (DET_RECIPES="bf16 fp8_cs" for a subset)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
 #
@@ -92,7 +95,8 @@ step() {
 # shellcheck disable=SC2329
 ckpt() {
     # tools/bench_checkpoint.py: sync, async, async_process saves of llama3_1b (seq 8192, mbs 4,
-    # 14 GiB per checkpoint) against the D2H and disk ceilings; on 2 GPUs when there are 2+.
+    # 14 GiB per checkpoint) against the D2H and disk ceilings, then the resume of the last
+    # mode's checkpoint from a cold page cache against the disk's read rate; on 2 GPUs when there are 2+.
     local n=1 launch=("$PY")
     if [[ $NGPU -ge 2 ]]; then n=2; launch=(torchrun --standalone --nproc_per_node=2); fi
     stage "checkpoint saves, llama3_1b seq 8192, $n GPU(s): blocked and total per save vs ceilings"
@@ -201,12 +205,24 @@ switch() {
         | tee "$OUT/recipe_switch.log" || status=1
 }
 
+# shellcheck disable=SC2329
+determinism() {
+    stage "train.deterministic: small model, two runs and a resume bitwise per sm_90 recipe"
+    "$PY" -m pytest -m gpu tests/gpu/test_determinism_gpu.py -q -p no:cacheprovider -s 2>&1 \
+        | tee "$OUT/determinism_test.log" | grep -E "bitwise equal|passed|failed|Error" || status=1
+    stage "train.deterministic: llama3_1b seq 8192 mbs 4, runs a / b, resumed, cost per recipe"
+    # shellcheck disable=SC2086  # DET_RECIPES are words
+    "$PY" tools/bench_determinism.py --out "${DET_ROOT:-/tmp/gpu-suite-det}" \
+        ${DET_RECIPES:+--recipes $DET_RECIPES} --json "$OUT/bench_determinism.json" 2>&1 \
+        | tee "$OUT/bench_determinism.log" || status=1
+}
+
 [[ $# -gt 0 ]] || set -- single
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|matrix|scale|switch) "$what" ;;
-        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step|ckpt|switch ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|matrix|scale|switch|determinism) "$what" ;;
+        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism ..." >&2; exit 2 ;;
     esac
 done
 exit $status

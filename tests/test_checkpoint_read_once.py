@@ -1,0 +1,156 @@
+"""Resume reads each byte once (checkpoint/reader.py): the data files are hashed by the reader
+that loads them, no separate hashing pass runs, the resumed run continues bit for bit, and
+damage anywhere in a file (an item's zip header, a pickled object, a tensor's data) still stops
+the resume with the one line naming the checkpoint; on two ranks every data file is verified
+by exactly one rank. Sync saves go through the staging buffer (the async writer's path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+import checkpoint.manager as manager_mod
+from checkpoint import hashing, store
+from checkpoint.reader import CheckpointReader
+from errors import ConfigError
+from tests.ckpt_harness import Run, committed
+from tests.distributed import run_distributed
+from tests.helpers import FakeLoader
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class _Recording(CheckpointReader):
+    made: list[CheckpointReader] = []
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        _Recording.made.append(self)
+
+
+@pytest.fixture
+def readers(monkeypatch):
+    _Recording.made = []
+    monkeypatch.setattr(manager_mod, "CheckpointReader", _Recording)
+    return _Recording.made
+
+
+def _data_files(ckpt: Path) -> dict[str, int]:
+    manifest = store.read_manifest(ckpt)
+    return {
+        rel: e["size"] for rel, e in manifest["files"].items() if rel.endswith(store.DATA_SUFFIX)
+    }
+
+
+def test_resume_reads_each_byte_once_and_continues_bitwise(tmp_path, readers, monkeypatch):
+    _, reference = Run(tmp_path / "ref").train(6)
+    Run(tmp_path / "run").train(4)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000004"
+    hashed = []
+    real_hash = hashing.hash_file
+    monkeypatch.setattr(
+        hashing, "hash_file", lambda p, a: hashed.append(Path(p).name) or real_hash(p, a)
+    )
+    run = Run(tmp_path / "run")
+    start, losses = run.train(6)
+    assert start == 4 and losses == reference[4:]  # bit for bit
+    files = _data_files(ckpt)
+    assert set(hashed) <= {".metadata", store.CONFIG_FILE}  # no data file read for hashing
+    (reader,) = readers
+    assert reader.verify and sorted(reader.verified) == sorted(files)
+    assert reader.bytes_read == sum(files.values())  # every data byte, once
+    assert any("verified the hashes of" in m and "as they were loaded" in m for m in run.messages)
+
+
+def test_checksum_false_reads_only_the_items(tmp_path, readers):
+    Run(tmp_path).train(4)
+    files = _data_files(tmp_path / "checkpoints" / "step_0000004")
+    Run(tmp_path, checksum=False).train(6)
+    (reader,) = readers
+    assert not reader.verify and reader.verified == []
+    # the items, not the trailers (64 bytes a file)
+    assert reader.bytes_read == sum(files.values()) - store.TRAILER_SIZE * len(files)
+
+
+def _items(ckpt: Path):
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    return {k.fqn: (ckpt / v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+
+
+def _flip(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["tensor zip header", "tensor data", "pickled object"],
+)
+def test_damage_anywhere_is_refused_with_the_one_line(tmp_path, where):
+    Run(tmp_path).train(4)
+    root = tmp_path / "checkpoints"
+    items = _items(root / "step_0000004")
+    if where == "pickled object":
+        fqn = next(k for k in items if k.startswith("train."))
+        path, offset, length = items[fqn]
+        at = offset + length // 2
+    else:
+        path, offset, length = items["model.lm_head.weight"]
+        at = offset + 1 if where == "tensor zip header" else offset + length - 200
+    _flip(path, at)
+    with pytest.raises(ConfigError) as e:
+        Run(tmp_path).train(6)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        f"checkpoint {root / 'step_0000004'} is damaged (file {path.name} fails its "
+        f"{hashing.LABELS[hashing.default_algorithm()]} check (corrupted)) and was not loaded; "
+        f"pass checkpoint.resume={root / 'step_0000002'}"
+    ), msg
+    assert committed(root) == [2, 4]
+
+
+def _two_ranks(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    import checkpoint.manager as m
+
+    made = []
+
+    class Rec(CheckpointReader):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    m.CheckpointReader = Rec
+    tmp = Path(tmp)
+    Run(tmp, loader=FakeLoader(rank, world_size)).train(4)
+    dist.barrier()
+    _, losses = Run(tmp, loader=FakeLoader(rank, world_size)).train(6)
+    (reader,) = made
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (sorted(reader.verified), reader.bytes_read))
+    if rank == 0:
+        files = _data_files(tmp / "checkpoints" / "step_0000004")
+        verified = [f for v, _ in everyone for f in v]
+        assert sorted(verified) == sorted(files), everyone  # each file by one rank
+        # The harness's model is replicated (no FSDP): each rank loads every item, and reads
+        # each byte at most once (its own loads and the files it verifies share the reads).
+        assert all(n <= sum(files.values()) for _, n in everyone), (everyone, files)
+
+
+def test_two_ranks_verify_each_file_once(tmp_path):
+    run_distributed(_two_ranks, 2, str(tmp_path))
+
+
+def test_sync_saves_are_staged(tmp_path):
+    run = Run(tmp_path)
+    run.train(4)
+    assert any("staging: 1 buffer(s)" in m for m in run.messages), run.messages
+    saved = [m for m in run.messages if "saved (sync)" in m]
+    assert len(saved) == 2 and all("(staging " in m for m in saved), saved
