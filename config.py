@@ -607,8 +607,18 @@ class SegmentConfig:
         self.accepted: list[Change] = []
 
     def __call__(self, loaded) -> None:
-        self.accepted = check_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
-        check_recipe_at_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
+        self.accepted = self.check(loaded.saved_config_yaml, loaded.step)
+
+    def check(self, saved_yaml: str | None, step: int) -> list[Change]:
+        """The comparison alone (train.py runs it before the model is built, from the
+        checkpoint's config.yaml): the accepted changes, or a one-line ConfigError."""
+        accepted = check_resume(saved_yaml, self.yaml, self.accept, step)
+        check_recipe_at_resume(saved_yaml, self.yaml, self.accept, step)
+        return accepted
+
+    def accepts(self, path: str) -> bool:
+        """Whether `resume.accept` names `path` (or a group holding it)."""
+        return any(_covers(n, path) for n in self.accept)
 
     def record(
         self, run_dir: Path, start_step: int, recipe: str | None = None, switch: str | None = None

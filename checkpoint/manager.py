@@ -62,6 +62,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import secrets
@@ -69,6 +70,7 @@ import shutil
 import sys
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,6 +89,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpoint import hashing, staging, store
 from checkpoint.config import CheckpointConfig, validate
 from checkpoint.planners import BlockLoadPlanner
+from checkpoint.preflight import format_bytes
 from checkpoint.state import ModelState, TrainState
 from checkpoint.writer import os_error_in, write_checkpoint
 from errors import ConfigError, NonFiniteLossError
@@ -228,6 +231,30 @@ def _saved_config(path: Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def _run_name(config_yaml: str | None) -> str | None:
+    """run.name of a resolved config's text (None: no config, or no name in it)."""
+    if not config_yaml:
+        return None
+    tree = yaml.safe_load(config_yaml) or {}
+    name = (tree.get("run") or {}).get("name") if isinstance(tree, dict) else None
+    return str(name) if name is not None else None
+
+
+#: Managers not closed yet: `close_open` closes them when a run ends by an exception.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_open() -> None:
+    """Close every manager of this process that is still open (waiting for its saves in
+    flight, stopping its writers, releasing its run lock): for a run that ended by an
+    exception, Ctrl-C included, so nothing is left for interpreter exit to wait on."""
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception as e:  # the run already fails with its own error
+            manager._log(f"while closing after the failure: {_first_line(e)}")
+
+
 def _find(state: Mapping[str, Any], cls: type):
     return next((v for v in state.values() if isinstance(v, cls)), None)
 
@@ -269,6 +296,7 @@ class CheckpointManager:
         *,
         log: Callable[[str], None] | None = None,
         lock: Any = None,
+        corpus: str | None = None,
     ):
         validate(cfg)
         self._dist = dist.is_available() and dist.is_initialized()
@@ -285,6 +313,12 @@ class CheckpointManager:
         self.root = checkpoint_root(cfg, self.run_dir)
         self.saving = cfg.mode != "none"
         self._lock = lock  # the run directory's lock (checkpoint/runlock.py): released at close
+        #: The fingerprint of the training corpus (data=embedded: it changes with the Python
+        #: version), recorded in every manifest and compared on resume (None: not recorded).
+        self.corpus = corpus
+        self._planned: dict[str, Any] | None = None
+        self._writers_up = False  # async_process: every rank's writer process has started
+        _OPEN.add(self)
         self._log = (
             log
             if log is not None
@@ -334,29 +368,55 @@ class CheckpointManager:
                 agree=self._minimum if self._ctl is not None else None,
             )
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
+            # Its thread starts now, not inside the first save's `submit`: a Ctrl-C landing
+            # in a thread start there left a worker the executor never recorded, which the
+            # interpreter then waited for at exit (a hang with the run lock held).
+            self._executor.submit(lambda: None).result()
 
     # -- resume -------------------------------------------------------------------------------
 
-    def resume(self, state: Mapping[str, Any]) -> int:
-        """Load the checkpoint `checkpoint.resume` points to into `state`; returns its step (0
-        when starting fresh). Call once, on every rank, before the first save."""
+    def plan_resume(
+        self,
+        config_yaml: str | None = None,
+        check: Callable[[str, int], Any] | None = None,
+        accept_corpus: bool = False,
+    ) -> int:
+        """Every resume decision, made before the model is built (train.py): which checkpoint
+        (`checkpoint.resume`), whether it is there and intact as far as rank 0 can tell
+        without reading the data (manifest, sizes, trailers, `.metadata`, the small files'
+        hashes), whether it belongs to this run, whether its model shape and its corpus are
+        this run's (`corpus`, unless `accept_corpus`), and `check(saved_config_yaml, step)`
+        (the config comparison; raises ConfigError). Returns the step `resume` will load (0: fresh start); a refusal is a
+        one-line ConfigError on every rank. Call once, on every rank."""
         decision = None
         if self.rank == 0:
             try:
-                decision = self._decide(state)
+                decision = self._decide(config_yaml, check, accept_corpus)
             except Exception as e:  # every rank must hear of it, or the others wait forever
-                decision = {"path": None, "step": 0, "error": None, "crash": repr(e)}
+                decision = {"path": None, "step": 0, "error": None, "crash": _first_line(e)}
         decision = self._broadcast(decision)
         if decision.get("crash"):
             raise RuntimeError(f"checkpoint resume failed on rank 0: {decision['crash']}")
         if decision["error"]:
             raise ConfigError(decision["error"])
+        self._planned = decision
+        return decision["step"]
+
+    def resume(self, state: Mapping[str, Any]) -> int:
+        """Load the checkpoint `checkpoint.resume` points to into `state`; returns its step (0
+        when starting fresh). Call once, on every rank, before the first save; after
+        `plan_resume` it loads what that decided."""
+        if self._planned is None:
+            train = _find(state, TrainState)
+            self.plan_resume(train.config_yaml if train is not None else None)
+        decision, self._planned = self._planned, None
         if decision["path"] is None:
             return 0
         path, step = Path(decision["path"]), decision["step"]
         t0 = time.perf_counter()
         self._verify_hashes(path, decision["hint"])
         self._load(path, state, step)
+        self._check_loaded_finite(path, state, decision["hint"])
         train = _find(state, TrainState)
         if train is not None and train.step != step:
             raise ConfigError(
@@ -400,7 +460,34 @@ class CheckpointManager:
             "or move the damaged directory away"
         )
 
-    def _decide(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    def _check_loaded_finite(self, path: Path, state: Mapping[str, Any], hint: str) -> None:
+        """Every rank, right after a load: the model's weights (this rank's shards) are finite.
+        A checkpoint whose hashes match but which holds nan or inf was saved that way; it
+        would stop the run at its first step with a non-finite loss instead."""
+        model = _find(state, ModelState)
+        bad: list[str] = []
+        if model is not None:
+            for name, p in model.model.named_parameters():
+                local = getattr(p, "_local_tensor", p).detach()
+                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                    bad.append(name)
+        if self._pg is not None:
+            everyone: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(everyone, bad, group=self._pg)
+            bad = sorted(set().union(*everyone))
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            raise ConfigError(
+                f"checkpoint {path} holds non-finite weights (nan or inf in model.{bad[0]}"
+                f"{more}; its files match their hashes, so they were saved so); {hint}"
+            )
+
+    def _decide(
+        self,
+        config_yaml: str | None,
+        check: Callable[[str, int], Any] | None = None,
+        accept_corpus: bool = False,
+    ) -> dict[str, Any]:
         """Rank 0: which checkpoint to load, or the one-line error every rank will raise."""
         spec = str(self.cfg.resume)
         if self.saving:
@@ -413,6 +500,14 @@ class CheckpointManager:
             return {"path": None, "step": 0, "error": None}
         if spec == "auto":
             found = store.newest_step(self.root)
+            for c in store.renamed_steps(self.root):
+                if found is None or c.step > found.step:
+                    self._log(
+                        f"{c.path} is not resumed from: its name is not a step directory's "
+                        f"(renamed?); "
+                        + (f"resuming from {found.path}" if found else "starting fresh")
+                        + f" (rename it back to {store.step_name(c.step)} to resume from it)"
+                    )
             if found is None:
                 return {"path": None, "step": 0, "error": None}
         else:
@@ -435,6 +530,18 @@ class CheckpointManager:
             else "there is no earlier complete checkpoint; use checkpoint.resume=none to "
             "start fresh"
         )
+        problem = store.entry_problem(found.path)
+        if problem and "cannot read" in problem:
+            return {
+                "path": None,
+                "step": 0,
+                "error": (
+                    f"checkpoint {found.path}: {problem}; give this run read access to it "
+                    f"(chmod/chown), or {hint}"
+                ),
+            }
+        if problem:
+            return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
         problem = store.verify_layout(found.path)
         if not problem and self.cfg.checksum:  # the small files rank 0 reads next, first
             manifest = store.read_manifest(found.path)
@@ -446,25 +553,60 @@ class CheckpointManager:
         problem = problem or self._metadata_problem(found.path)
         if problem:
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
-        train = _find(state, TrainState)
-        saved_yaml = found.path / store.CONFIG_FILE
+        saved_file = found.path / store.CONFIG_FILE
+        saved_yaml = saved_file.read_text() if saved_file.is_file() else None
         try:
-            mismatches = model_shape_mismatches(
-                saved_yaml.read_text() if saved_yaml.is_file() else None,
-                train.config_yaml if train is not None else None,
-            )
+            mismatches = model_shape_mismatches(saved_yaml, config_yaml)
+            owner = _run_name(saved_yaml) if spec == "auto" else None
         except (yaml.YAMLError, AttributeError, TypeError, UnicodeDecodeError) as e:
             problem = f"{store.CONFIG_FILE} is not a readable config ({_first_line(e)})"
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
+        mine = _run_name(config_yaml)
+        if owner is not None and mine is not None and owner != mine:
+            return {
+                "path": None,
+                "step": 0,
+                "error": (
+                    f"checkpoint.dir={self.cfg.dir}: {self.root} holds the checkpoints of run "
+                    f"{owner} (newest: {found.path}), not of run.name={mine}; give this run a "
+                    f"checkpoint.dir of its own, or resume from it on purpose with "
+                    f"checkpoint.resume={found.path}"
+                ),
+            }
         if mismatches:
             return {
                 "path": None,
                 "step": 0,
                 "error": (
                     f"{'; '.join(mismatches)} (checkpoint {found.path}); resume with the "
-                    "checkpoint's model settings, or set checkpoint.resume=none to start fresh"
+                    "checkpoint's model settings, or train this model as a separate run with "
+                    "another run.name (checkpoint.resume=none would move this run's "
+                    "checkpoints aside)"
                 ),
             }
+        saved_corpus = (store.read_manifest(found.path) or {}).get("corpus")
+        if saved_corpus and self.corpus and saved_corpus != self.corpus:
+            if not accept_corpus:
+                return {
+                    "path": None,
+                    "step": 0,
+                    "error": (
+                        f"checkpoint {found.path} was trained on another corpus ({saved_corpus}; "
+                        f"this run's is {self.corpus}), so the run would continue on different "
+                        "data; resume with the data it was trained on (data=embedded: under "
+                        "the Python version it names), or accept the change on purpose with "
+                        "resume.accept=[data]"
+                    ),
+                }
+            self._log(
+                f"corpus: {saved_corpus} in checkpoint {found.path}, {self.corpus} now; "
+                "continuing on the new one (resume.accept)"
+            )
+        if check is not None and saved_yaml:
+            try:
+                check(saved_yaml, found.step)
+            except ConfigError as e:
+                return {"path": None, "step": 0, "error": str(e)}
         return {"path": str(found.path), "step": found.step, "error": None, "hint": hint}
 
     def _metadata_problem(self, path: Path) -> str | None:
@@ -664,7 +806,8 @@ class CheckpointManager:
         """Save `step` now (on every rank), waiting for a staging buffer if all are busy."""
         t0 = time.perf_counter()
         planned = None
-        if self._stager is not None:
+        direct = self.cfg.mode == "sync" or self._writer_starting(step)
+        if not direct:
             # CPU work first, while the device finishes the step: what to copy, where.
             planned = staging.plan(state)
             self._agree()  # raises an earlier failure on every rank alike
@@ -679,7 +822,7 @@ class CheckpointManager:
                 (tmp / store.CONFIG_FILE).write_text(train.config_yaml)
         self._saves += 1  # the same count on every rank: save ids need no collective
         save_id = f"{self._token}-{self._saves}-step{step}"
-        if self.cfg.mode == "sync":
+        if direct:
             try:
                 out = self._write_here(state, tmp, save_id)
             except _ERRORS as e:
@@ -723,6 +866,23 @@ class CheckpointManager:
             self._pending.append(pending)
         self._last_saved_step = step
         return {"save_blocking_s": blocking, "save_wait_prev_s": waited}
+
+    def _writer_starting(self, step: int) -> bool:
+        """async_process: whether the writer process of some rank has not started yet (all
+        ranks agree, on `_ctl`). Until every one has, saves are written by this process as in
+        sync mode: a save due while the writers start (seconds: the child imports torch) is
+        taken at its step, never deferred behind them. No save is in a writer meanwhile, so
+        polling its pipe here is safe."""
+        if self._writer is None or self._writers_up:
+            return False
+        (ready,) = self._minimum([int(self._writer.wait_ready(0))])
+        self._writers_up = bool(ready)
+        if not ready:
+            self._log(
+                f"step {step}: saving from the training process (sync): the writer process "
+                "is still starting"
+            )
+        return not ready
 
     def _free_index(self) -> int:
         busy = {p.buffer for p in self._pending if not p.future.done()}
@@ -788,7 +948,11 @@ class CheckpointManager:
             step=step,
             world_size=self.world_size,
             checksum=self.cfg.checksum,
-            extra={"mode": self.cfg.mode, "torch": torch.__version__},
+            extra={
+                "mode": self.cfg.mode,
+                "torch": torch.__version__,
+                **({"corpus": self.corpus} if self.corpus else {}),
+            },
             hashes=hashes,
             algorithm=self._algorithm or "crc32",
             save_id=save_id,
@@ -805,13 +969,19 @@ class CheckpointManager:
     def _prune(self) -> None:
         """Rank 0's pruner thread: delete committed checkpoints beyond keep_last (never the
         newest; `.tmp` directories being written are not listed)."""
+        failed: list[tuple[Path, Path, str]] = []
         try:
-            pruned = store.prune(self.root, self.cfg.keep_last)
+            pruned = store.prune(self.root, self.cfg.keep_last, failed)
         except OSError as e:  # a checkpoint left behind costs space, never a run
             self._log(f"could not prune old checkpoints in {self.root}: {e}")
             return
         if pruned:
             self._log(f"pruned {', '.join(p.name for p in pruned)}")
+        for path, left, error in failed:
+            self._log(
+                f"could not prune {path.name}: {error}; it is left as {left} (ignored by resume, "
+                "taking space until removed); training goes on"
+            )
 
     def _wait_pruned(self) -> None:
         if self._pruner is not None:
@@ -830,10 +1000,18 @@ class CheckpointManager:
             need = rank_bytes * self.world_size
             return ConfigError(
                 f"checkpoint save of step {step} failed: no space left on device under "
-                f"{self.root} ({free / 2**30:.1f} GiB free; this checkpoint needs about "
-                f"{need / 2**30:.2f} GiB, {rank_bytes / 2**30:.2f} GiB of it from rank "
+                f"{self.root} ({format_bytes(free)} free; this checkpoint needs about "
+                f"{format_bytes(need)}, {format_bytes(rank_bytes)} of it from rank "
                 f"{self.rank}); nothing was committed and the earlier checkpoints are intact; "
                 "free space or set checkpoint.dir to a larger filesystem"
+            )
+        if os_err is not None and os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            where = os_err.filename or self.root
+            return ConfigError(
+                f"checkpoint save of step {step} failed: {os_err.strerror or os_err} ({where}); "
+                "nothing was committed and the earlier checkpoints are intact; make "
+                f"{self.root} writable (or set checkpoint.dir to a writable filesystem) and "
+                "resume"
             )
         return RuntimeError(f"checkpoint save of step {step} failed: {_first_line(e)}")
 
@@ -940,6 +1118,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
             if self._pending:
                 self._wait_all()
