@@ -386,8 +386,9 @@ class CheckpointManager:
         without reading the data (manifest, sizes, trailers, `.metadata`, the small files'
         hashes), whether it belongs to this run, whether its model shape and its corpus are
         this run's (`corpus`, unless `accept_corpus`), and `check(saved_config_yaml, step)`
-        (the config comparison; raises ConfigError). Returns the step `resume` will load (0: fresh start); a refusal is a
-        one-line ConfigError on every rank. Call once, on every rank."""
+        (the config comparison; raises ConfigError). Returns the step `resume` will load (0:
+        fresh start); a refusal is a one-line ConfigError on every rank. Call once, on every
+        rank."""
         decision = None
         if self.rank == 0:
             try:
@@ -464,6 +465,7 @@ class CheckpointManager:
         """Every rank, right after a load: the model's weights (this rank's shards) are finite.
         A checkpoint whose hashes match but which holds nan or inf was saved that way; it
         would stop the run at its first step with a non-finite loss instead."""
+        verified = self.cfg.checksum
         model = _find(state, ModelState)
         bad: list[str] = []
         if model is not None:
@@ -479,7 +481,8 @@ class CheckpointManager:
             more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
             raise ConfigError(
                 f"checkpoint {path} holds non-finite weights (nan or inf in model.{bad[0]}"
-                f"{more}; its files match their hashes, so they were saved so); {hint}"
+                f"{more}{'; its files match their hashes: saved so' if verified else ''}); "
+                f"{hint}"
             )
 
     def _decide(
@@ -557,7 +560,10 @@ class CheckpointManager:
         saved_yaml = saved_file.read_text() if saved_file.is_file() else None
         try:
             mismatches = model_shape_mismatches(saved_yaml, config_yaml)
-            owner = _run_name(saved_yaml) if spec == "auto" else None
+            # Checkpoints in this run's directory are its own (a copied run directory
+            # included); an absolute checkpoint.dir outside it may be another run's.
+            shared = not self.root.resolve().is_relative_to(self.run_dir.resolve())
+            owner = _run_name(saved_yaml) if spec == "auto" and shared else None
         except (yaml.YAMLError, AttributeError, TypeError, UnicodeDecodeError) as e:
             problem = f"{store.CONFIG_FILE} is not a readable config ({_first_line(e)})"
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
