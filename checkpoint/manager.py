@@ -45,14 +45,19 @@ last checkpoint committed. A failed save commits nothing and prunes nothing; a f
 reported as such, with the space the checkpoint needs.
 
 Resume (`checkpoint.resume`): `auto` takes the newest step directory of this run's checkpoint
-directory (none: start at step 0); `none` starts fresh; anything else is a path. Before
-loading, rank 0 checks the manifest (present, every file there with its size, each data
-file's trailer naming this save), `.metadata` (readable, same save id) and config.yaml (a
-config whose model shape matches this run); then every rank hashes its share of the files
-against the manifest (checkpoint.checksum), and checks that each tensor it will load exists
-with the same global shape. Each failure is a one-line ConfigError on every rank naming the
-checkpoint and the problem. A damaged checkpoint is never loaded and never skipped, in auto
-mode too: the error names the previous complete checkpoint to pass as
+directory (none: start at step 0; a step directory renamed by hand, `step_0000040.bak`, is
+announced in one line and not read); `none` starts fresh; anything else is a path.
+`plan_resume` makes every decision before the model is built (train.py); `resume` then loads.
+Rank 0 checks that the step entry is a readable directory (not a file or a symlink loop), the
+manifest (present, every file there with its size, each data file's trailer naming this save),
+`.metadata` (readable, same save id), config.yaml (a config whose model shape matches this
+run; in auto mode with a checkpoint directory outside the run directory, this run's run.name),
+the corpus the checkpoint was trained on (`corpus`) and the config comparison (`check`); then,
+at the load, every rank hashes its share of the files against the manifest
+(checkpoint.checksum), and checks that each tensor it will load exists with the same global
+shape, and after the load that its weights are finite. Each failure is a one-line ConfigError
+on every rank naming the checkpoint and the problem. A damaged checkpoint is never loaded and
+never skipped, in auto mode too: the error names the previous complete checkpoint to pass as
 `checkpoint.resume=<path>` (or the damaged directory can be moved away). Resuming from an
 older step, or with resume=none, renames the newer step directories of this directory to
 `*.abandoned-<time>` (kept, ignored) so the new timeline's saves and pruning never mix with
