@@ -264,6 +264,19 @@ def _find(state: Mapping[str, Any], cls: type):
     return next((v for v in state.values() if isinstance(v, cls)), None)
 
 
+def _all_finite(t: torch.Tensor) -> torch.Tensor | None:
+    """A 0-d bool tensor on t's device: whether every value of `t` is finite (a quantized
+    weight: its dequantized values); None when that cannot be computed."""
+    try:
+        if type(t) is not torch.Tensor and hasattr(t, "dequantize"):
+            t = t.dequantize()
+        if not t.is_floating_point():
+            return None
+        return torch.isfinite(t).all()
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
@@ -474,10 +487,14 @@ class CheckpointManager:
         model = _find(state, ModelState)
         bad: list[str] = []
         if model is not None:
+            names, flags = [], []
             for name, p in model.model.named_parameters():
-                local = getattr(p, "_local_tensor", p).detach()
-                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-                    bad.append(name)
+                flag = _all_finite(getattr(p, "_local_tensor", p).detach())
+                if flag is not None:
+                    names.append(name)
+                    flags.append(flag)
+            if flags:  # one host sync for all of them
+                bad = [n for n, ok in zip(names, torch.stack(flags).tolist()) if not ok]
         if self._pg is not None:
             everyone: list[Any] = [None] * dist.get_world_size(self._pg)
             dist.all_gather_object(everyone, bad, group=self._pg)

@@ -573,6 +573,33 @@ def _stop_one_rank(rank, world_size, tmp):
             "stop signal SIGTERM (received by rank 1 of 2): checkpoint at step 4 saved; every "
             "rank exits with status 3 for requeue"
         ) in out.getvalue(), out.getvalue()
+    train.train_step = real
+
+    # The requeued run: a changed config is refused on both ranks before either builds a model.
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the refusal")
+
+    real_build, train.build_training = train.build_training, no_model
+    try:
+        train.run(_compose(tmp, "stop", "train.steps=20", "train.log_every=2", "optim.lr=0.01"))
+    except ConfigError as e:
+        assert str(e).startswith(
+            "resume: this config changes the training against the "
+            "checkpoint's (step 4): optim.lr 0.003 -> 0.01; "
+        ), str(e)
+    else:
+        raise AssertionError(f"rank {rank} resumed a changed config")
+    finally:
+        close_open()
+        train.build_training = real_build
+    # ... and the same config resumes on both ranks (the weights checked finite on each).
+    assert (
+        train.run(
+            _compose(tmp, "stop", "train.steps=6", "optim.schedule_steps=20", "train.log_every=2")
+        )
+        == 0
+    )
+    assert committed(root) == [4, 6]
 
 
 def test_stop_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
