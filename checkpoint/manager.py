@@ -411,6 +411,16 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 decision = self._decide(config_yaml, check, accept_corpus)
+            except OSError as e:  # e.g. a file of the checkpoint this run may not read
+                decision = {
+                    "path": None,
+                    "step": 0,
+                    "error": (
+                        f"checkpoint.resume={self.cfg.resume}: cannot read "
+                        f"{e.filename or self.root} ({e.strerror or e}); give this run access "
+                        "to it (chmod/chown), or pass checkpoint.resume=<another checkpoint>"
+                    ),
+                }
             except Exception as e:  # every rank must hear of it, or the others wait forever
                 decision = {"path": None, "step": 0, "error": None, "crash": _first_line(e)}
         decision = self._broadcast(decision)

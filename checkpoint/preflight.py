@@ -76,8 +76,9 @@ def prepare_run_dir(
         quantized = bool(getattr(getattr(cfg, "recipe", None), "quantized_init", False))
         need = estimate_checkpoint_bytes(cfg.model, quantized)
         # At the steady state keep_last checkpoints exist while the next one is written (the
-        # oldest is pruned after the commit); those already here take no more room.
-        have = len(store.list_complete(root))
+        # oldest is pruned after the commit); those already here take no more room (unless
+        # resume=none moves them aside: kept, never pruned).
+        have = len(store.list_complete(root)) if str(ck.resume) != "none" else 0
         count = max(1, ck.keep_last + 1 - have)
         free = shutil.disk_usage(root).free
         if free < count * need:

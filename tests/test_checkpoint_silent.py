@@ -104,6 +104,24 @@ def test_step_directory_the_run_cannot_read_is_one_line(tmp_path, monkeypatch):
     assert committed(root) == [2, 4]
 
 
+def test_unreadable_file_of_a_checkpoint_is_one_line(tmp_path, monkeypatch):
+    root = _two_checkpoints(tmp_path)
+    denied = root / "step_0000004" / store.CONFIG_FILE
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self == denied:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert _refused(tmp_path) == (
+        f"checkpoint.resume=auto: cannot read {denied} (Permission denied); give this run "
+        "access to it (chmod/chown), or pass checkpoint.resume=<another checkpoint>"
+    )
+    assert committed(root) == [2, 4]
+
+
 def test_renamed_newest_step_is_announced_and_kept(tmp_path):
     """A step directory renamed by hand (`step_0000004.bak`) is not resumed from, and the run
     says so in one line; the renamed directory stays as it is."""
