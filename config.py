@@ -187,6 +187,11 @@ def validate(cfg: Config) -> None:
         f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)",
     )
     _require(t.log_every > 0, f"train.log_every={t.log_every} must be > 0")
+    _require(
+        t.peak_tflops is None or t.peak_tflops > 0,
+        f"train.peak_tflops={t.peak_tflops} must be > 0 (one device's peak dense bf16 TFLOP/s, "
+        "for MFU), or null to look it up by GPU name",
+    )
     steps = sorted(t.profile_steps)
     _require(
         not steps or (steps[0] >= 1 and steps == list(range(steps[0], steps[-1] + 1))),
@@ -202,8 +207,9 @@ def validate(cfg: Config) -> None:
     _require(o.eps > 0, f"optim.eps={o.eps} must be > 0")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables)")
     _require(
-        o.schedule_steps is None or o.schedule_steps > 0,
-        f"optim.schedule_steps={o.schedule_steps} must be > 0 (or null: train.steps)",
+        o.schedule_steps is None or o.schedule_steps >= 2,
+        f"optim.schedule_steps={o.schedule_steps} must be >= 2 (a warmup + cosine schedule of "
+        "one step is no schedule), or null: train.steps",
     )
     _one_of(m.impl, IMPLS, "model.impl")
     for name in (
@@ -217,6 +223,11 @@ def validate(cfg: Config) -> None:
         "max_seq_len",
     ):
         _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
+    _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0 (RMSNorm divides by it)")
+    _require(
+        m.init_std > 0,
+        f"model.init_std={m.init_std} must be > 0 (the std of the normal weight init)",
+    )
     _require(
         m.dim % m.n_heads == 0, f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}"
     )
@@ -257,6 +268,20 @@ def validate(cfg: Config) -> None:
     _require(
         cfg.checkpoint.keep_last >= 1,
         f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1",
+    )
+    c = cfg.checkpoint
+    _require(
+        # (a recipe.switch saves its step: that run does save)
+        c.mode == "none" or c.interval > 0 or c.save_at_end or bool(cfg.recipe.switch),
+        f"checkpoint.interval=0 with checkpoint.save_at_end=false never saves a checkpoint "
+        f"(checkpoint={c.mode}); set checkpoint.interval>0 or checkpoint.save_at_end=true, or "
+        "use checkpoint=none",
+    )
+    _require(
+        c.mode != "none" or str(c.resume) != "auto",
+        "checkpoint.resume=auto with checkpoint=none: a run that saves no checkpoints has none "
+        "of its own to resume; use checkpoint=sync (or async, async_process) to save and "
+        "resume, or checkpoint.resume=<path> to start from a checkpoint without saving",
     )
     _one_of(cfg.logger.wandb.mode, WANDB_MODES, "logger.wandb.mode")
     _one_of(cfg.logger.wandb.resume, WANDB_RESUME, "logger.wandb.resume")
@@ -590,8 +615,18 @@ class SegmentConfig:
         self.accepted: list[Change] = []
 
     def __call__(self, loaded) -> None:
-        self.accepted = check_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
-        check_recipe_at_resume(loaded.saved_config_yaml, self.yaml, self.accept, loaded.step)
+        self.accepted = self.check(loaded.saved_config_yaml, loaded.step)
+
+    def check(self, saved_yaml: str | None, step: int) -> list[Change]:
+        """The comparison alone (train.py runs it before the model is built, from the
+        checkpoint's config.yaml): the accepted changes, or a one-line ConfigError."""
+        accepted = check_resume(saved_yaml, self.yaml, self.accept, step)
+        check_recipe_at_resume(saved_yaml, self.yaml, self.accept, step)
+        return accepted
+
+    def accepts(self, path: str) -> bool:
+        """Whether `resume.accept` names `path` (or a group holding it)."""
+        return any(_covers(n, path) for n in self.accept)
 
     def record(
         self,

@@ -122,6 +122,9 @@ class StopSignal:
 
     def __init__(self):
         self.received: int | None = None
+        #: After `agreed` returned True: the signal's name and the ranks that received one.
+        self.name: str | None = None
+        self.ranks: list[int] = []
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -129,11 +132,29 @@ class StopSignal:
         self.received = signum
 
     def agreed(self, device) -> bool:
-        """All ranks stop at the same step if any rank got the signal."""
-        flag = torch.tensor([float(self.received is not None)], device=device)
+        """All ranks stop at the same step if any rank got the signal (one collective: each
+        rank's signal number at its index, so every rank also learns which signal, and who
+        got it)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        got = torch.zeros(world, device=device)
+        got[rank] = float(self.received or 0)
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(got, op=dist.ReduceOp.MAX)
+        numbers = [int(v) for v in got.tolist()]
+        self.ranks = [r for r, n in enumerate(numbers) if n]
+        if self.ranks:
+            self.name = signal.Signals(max(numbers)).name
+        return bool(self.ranks)
+
+    def describe(self, world_size: int) -> str:
+        """E.g. "SIGTERM (received by rank 1 of 2)"."""
+        if len(self.ranks) == world_size:
+            who = "every rank" if world_size > 1 else "this process"
+        else:
+            who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
+            who += f" of {world_size}"
+        return f"{self.name} (received by {who})"
 
 
 def exit_status(statuses: list[int]) -> int:

@@ -15,6 +15,7 @@ in a subprocess).
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import sys
@@ -29,7 +30,7 @@ import compat
 import sweep
 from checkpoint import CheckpointManager, TrainState, training_state
 from checkpoint.hf import load_hf_weights, model_source
-from checkpoint.manager import resume_step
+from checkpoint.manager import close_open
 from checkpoint.preflight import prepare_run_dir
 from config import (
     Config,
@@ -40,6 +41,7 @@ from config import (
     validate_batch,
 )
 from data import build_data, build_tokenizer
+from data.sources import corpus_fingerprint
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
 from model import build_model, init_weights, resolve_impl, te_available
@@ -250,19 +252,36 @@ def run(cfg: Config) -> int:
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     if device.type == "cuda":
         say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
-    # The recipe of the first step this run trains (recipe.switch: the resumed step decides).
-    switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
-    first_step = 1 + (resume_step(cfg.checkpoint, run_dir, world_size) if switches else 0)
-    rcfg = recipe_for_step(cfg.recipe, first_step, schedule_steps(cfg))
     tokenizer = build_tokenizer(cfg.data)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
-    # The run directory: writable, room for a checkpoint, and locked by rank 0 (one run at a
-    # time); checkpoint/preflight.py.
+    # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
+    # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
     run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
+
+    # Every resume decision, before the model is built (at 8B-70B that takes minutes): which
+    # checkpoint, intact as far as its small files tell, this run's (run.name, model shape,
+    # corpus), and the config comparison. The manager starts here, so async_process's writer
+    # processes start while the model is built.
+    segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
+    ckpt = CheckpointManager(
+        cfg.checkpoint,
+        run_dir,
+        rank=rank,
+        world_size=world_size,
+        lock=run_lock,
+        corpus=corpus_fingerprint(cfg.data) if rank == 0 else None,
+    )
+    resume_from = ckpt.plan_resume(
+        segment.yaml, check=segment.check, accept_corpus=segment.accepts("data.corpus")
+    )
+    # The recipe of the first step this run trains (recipe.switch: the resumed step decides).
+    switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
+    first_step = 1 + resume_from
+    rcfg = recipe_for_step(cfg.recipe, first_step, schedule_steps(cfg))
 
     # 4. Mesh, and the fixes torch / TE need (compat/): the mesh object owns every process
     #    group; the fixes go in before anything builds a module.
@@ -290,19 +309,14 @@ def run(cfg: Config) -> int:
     if eval_batches is not None:
         say(f"eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps", flush=True)
 
-    # 10. Run directory, checkpoint resume, logger (in that order: the checkpoint's config is
-    #     compared with this one as soon as it is read, before any other part loads or the
-    #     run directory changes; the logger trims metrics to the resumed step and reuses the
-    #     wandb id stored in the checkpoint).
-    segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
+    # 10. Checkpoint resume (what plan_resume chose; the config is compared again with the
+    #     loaded train state's), then the logger (it trims metrics to the resumed step and
+    #     reuses the wandb id stored in the checkpoint).
     train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
     state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
-    ckpt = CheckpointManager(
-        cfg.checkpoint, run_dir, rank=rank, world_size=world_size, lock=run_lock
-    )
     start_step = ckpt.resume(state)
-    if switches and start_step + 1 != first_step:
-        raise RuntimeError(f"resumed step {start_step}, expected {first_step - 1} (recipe.switch)")
+    if start_step + 1 != first_step:
+        raise RuntimeError(f"resumed step {start_step}, planned {first_step - 1}")
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
     if rank == 0 and start_step < cfg.train.steps:  # a segment that trains: record it
@@ -447,8 +461,8 @@ def run(cfg: Config) -> int:
             )
         if stopping:
             logger.info(
-                f"stop signal {stop.received}: checkpoint at step {step} saved; exiting "
-                f"with status {EXIT_REQUEUE} for requeue"
+                f"stop signal {stop.describe(world_size)}: checkpoint at step {step} saved; "
+                f"every rank exits with status {EXIT_REQUEUE} for requeue"
             )
             ckpt.finish(step, state, save=False)
             logger.finish()
@@ -459,6 +473,9 @@ def run(cfg: Config) -> int:
         logger.info(f"done: step {cfg.train.steps} in {format_duration(clock.elapsed())}")
     return 0
 
+
+#: OSErrors that are the filesystem's state, not a bug: one line instead of a traceback.
+_FILESYSTEM_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO)
 
 #: Exit status of each Hydra job this process ran (a multirun runs several, in order).
 STATUSES: list[int] = []
@@ -484,6 +501,19 @@ def main(dcfg: DictConfig) -> int:
         if rank0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         status = 2
+    except OSError as e:
+        if e.errno not in _FILESYSTEM_ERRORS:
+            raise
+        # e.g. the filesystem turned read-only mid-run: the file and the reason, no traceback
+        print(
+            f"error: {e.strerror or e}: {e.filename or '?'} (rank "
+            f"{os.environ.get('RANK', 0)}); the run stopped; committed checkpoints are intact",
+            file=sys.stderr,
+            flush=True,
+        )
+        status = 1
+    finally:
+        close_open()  # a run ended by an exception (Ctrl-C too): writers stopped, lock released
     STATUSES.append(status)
     return status
 

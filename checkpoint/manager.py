@@ -48,17 +48,23 @@ last checkpoint committed. A failed save commits nothing and prunes nothing; a f
 reported as such, with the space the checkpoint needs.
 
 Resume (`checkpoint.resume`): `auto` takes the newest step directory of this run's checkpoint
-directory (none: start at step 0); `none` starts fresh; anything else is a path. Before
-loading, rank 0 checks the manifest (present, every file there with its size, each data
-file's trailer naming this save), `.metadata` (readable, same save id) and config.yaml (a
-config whose model shape matches this run, with the hashes of `.metadata` and config.yaml);
-every rank checks that each tensor it will load exists with the same global shape; then the
-load reads each byte once and verifies the data files' hashes as it reads them
-(checkpoint/reader.py, checkpoint.checksum): one rank hashes each file front to back. Each
-failure is a one-line ConfigError on every rank naming the checkpoint and the problem, raised
-before any Stateful's load_state_dict and before the run trains or saves (a damaged file may
-have put some of its values into the model by then; the run stops). A damaged checkpoint is
-never used and never skipped, in auto mode too: the error names the previous complete checkpoint to pass as
+directory (none: start at step 0; a step directory renamed by hand, `step_0000040.bak`, is
+announced in one line and not read); `none` starts fresh; anything else is a path.
+`plan_resume` makes every decision before the model is built (train.py); `resume` then loads.
+Rank 0 checks that the step entry is a readable directory (not a file or a symlink loop), the
+manifest (present, every file there with its size, each data file's trailer naming this save),
+`.metadata` (readable, same save id), config.yaml (a config whose model shape matches this
+run; in auto mode with a checkpoint directory outside the run directory, this run's run.name),
+the corpus the checkpoint was trained on (`corpus`) and the config comparison (`check`); then
+every rank checks that each tensor it will load exists with the same global shape, the load
+reads each byte once and verifies the data files' hashes as it reads them
+(checkpoint/reader.py, checkpoint.checksum: one rank hashes each file front to back), and
+after the load every rank checks that its weights are finite. Each failure is a one-line
+ConfigError on every rank naming the checkpoint and the problem, raised before any
+Stateful's load_state_dict and before the run trains or saves (a damaged file may have put
+some of its values into the model by then; the run stops). A damaged checkpoint is never
+used and never skipped, in auto mode too: the error names the previous complete checkpoint
+to pass as
 `checkpoint.resume=<path>` (or the damaged directory can be moved away). Resuming from an
 older step, or with resume=none, renames the newer step directories of this directory to
 `*.abandoned-<time>` (kept, ignored) so the new timeline's saves and pruning never mix with
@@ -68,6 +74,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -76,6 +83,7 @@ import shutil
 import sys
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,6 +102,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpoint import hashing, staging, store
 from checkpoint.config import CheckpointConfig, validate
 from checkpoint.planners import BlockLoadPlanner
+from checkpoint.preflight import format_bytes
 from checkpoint.reader import CheckpointReader, first_problem
 from checkpoint.state import ModelState, TrainState
 from checkpoint.writer import os_error_in, write_checkpoint
@@ -168,27 +177,6 @@ def resumes(cfg: CheckpointConfig, run_dir: str | Path) -> bool:
     return True
 
 
-def resume_step(cfg: CheckpointConfig, run_dir: str | Path, world_size: int = 1) -> int:
-    """The step of the checkpoint `CheckpointManager.resume` will pick (0: none), read before
-    the model is built (a `recipe.switch` run builds the recipe of the step after it). Rank 0
-    reads the filesystem and tells the others; the resume itself still checks the checkpoint."""
-    step = 0
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        spec = str(cfg.resume)
-        if spec == "auto":
-            found = store.newest_step(checkpoint_root(cfg, run_dir))
-        elif spec != "none":
-            found = store.find_checkpoint(Path(spec).expanduser())
-        else:
-            found = None
-        step = found.step if found is not None else 0
-    if world_size > 1 and dist.is_initialized():
-        box = [step]
-        dist.broadcast_object_list(box, src=0)
-        step = box[0]
-    return step
-
-
 def _flatten(request: dict) -> dict[str, Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -236,8 +224,45 @@ def _saved_config(path: Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def _run_name(config_yaml: str | None) -> str | None:
+    """run.name of a resolved config's text (None: no config, or no name in it)."""
+    if not config_yaml:
+        return None
+    tree = yaml.safe_load(config_yaml) or {}
+    name = (tree.get("run") or {}).get("name") if isinstance(tree, dict) else None
+    return str(name) if name is not None else None
+
+
+#: Managers not closed yet: `close_open` closes them when a run ends by an exception.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_open() -> None:
+    """Close every manager of this process that is still open (waiting for its saves in
+    flight, stopping its writers, releasing its run lock): for a run that ended by an
+    exception, Ctrl-C included, so nothing is left for interpreter exit to wait on."""
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception as e:  # the run already fails with its own error
+            manager._log(f"while closing after the failure: {_first_line(e)}")
+
+
 def _find(state: Mapping[str, Any], cls: type):
     return next((v for v in state.values() if isinstance(v, cls)), None)
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor | None:
+    """A 0-d bool tensor on t's device: whether every value of `t` is finite (a quantized
+    weight: its dequantized values); None when that cannot be computed."""
+    try:
+        if type(t) is not torch.Tensor and hasattr(t, "dequantize"):
+            t = t.dequantize()
+        if not t.is_floating_point():
+            return None
+        return torch.isfinite(t).all()
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 def _first_line(e: BaseException) -> str:
@@ -277,6 +302,7 @@ class CheckpointManager:
         *,
         log: Callable[[str], None] | None = None,
         lock: Any = None,
+        corpus: str | None = None,
     ):
         validate(cfg)
         self._dist = dist.is_available() and dist.is_initialized()
@@ -293,6 +319,12 @@ class CheckpointManager:
         self.root = checkpoint_root(cfg, self.run_dir)
         self.saving = cfg.mode != "none"
         self._lock = lock  # the run directory's lock (checkpoint/runlock.py): released at close
+        #: The fingerprint of the training corpus (data=embedded: it changes with the Python
+        #: version), recorded in every manifest and compared on resume (None: not recorded).
+        self.corpus = corpus
+        self._planned: dict[str, Any] | None = None
+        self._writers_up = False  # async_process: every rank's writer process has started
+        _OPEN.add(self)
         self._log = (
             log
             if log is not None
@@ -342,6 +374,10 @@ class CheckpointManager:
                 agree=self._minimum if self._ctl is not None else None,
             )
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
+            # Its thread starts now, not inside the first save's `submit`: a Ctrl-C landing
+            # in a thread start there left a worker the executor never recorded, which the
+            # interpreter then waited for at exit (a hang with the run lock held).
+            self._executor.submit(lambda: None).result()
         elif cfg.mode == "sync":
             # The async writer's path, waited for: one staging buffer (copied at the save, by
             # large pinned copies) written by the writer threads from host memory. Writing
@@ -360,25 +396,58 @@ class CheckpointManager:
 
     # -- resume -------------------------------------------------------------------------------
 
-    def resume(self, state: Mapping[str, Any]) -> int:
-        """Load the checkpoint `checkpoint.resume` points to into `state`; returns its step (0
-        when starting fresh). Call once, on every rank, before the first save."""
+    def plan_resume(
+        self,
+        config_yaml: str | None = None,
+        check: Callable[[str, int], Any] | None = None,
+        accept_corpus: bool = False,
+    ) -> int:
+        """Every resume decision, made before the model is built (train.py): which checkpoint
+        (`checkpoint.resume`), whether it is there and intact as far as rank 0 can tell
+        without reading the data (manifest, sizes, trailers, `.metadata`, the small files'
+        hashes), whether it belongs to this run, whether its model shape and its corpus are
+        this run's (`corpus`, unless `accept_corpus`), and `check(saved_config_yaml, step)`
+        (the config comparison; raises ConfigError). Returns the step `resume` will load (0:
+        fresh start); a refusal is a one-line ConfigError on every rank. Call once, on every
+        rank."""
         decision = None
         if self.rank == 0:
             try:
-                decision = self._decide(state)
+                decision = self._decide(config_yaml, check, accept_corpus)
+            except OSError as e:  # e.g. a file of the checkpoint this run may not read
+                decision = {
+                    "path": None,
+                    "step": 0,
+                    "error": (
+                        f"checkpoint.resume={self.cfg.resume}: cannot read "
+                        f"{e.filename or self.root} ({e.strerror or e}); give this run access "
+                        "to it (chmod/chown), or pass checkpoint.resume=<another checkpoint>"
+                    ),
+                }
             except Exception as e:  # every rank must hear of it, or the others wait forever
-                decision = {"path": None, "step": 0, "error": None, "crash": repr(e)}
+                decision = {"path": None, "step": 0, "error": None, "crash": _first_line(e)}
         decision = self._broadcast(decision)
         if decision.get("crash"):
             raise RuntimeError(f"checkpoint resume failed on rank 0: {decision['crash']}")
         if decision["error"]:
             raise ConfigError(decision["error"])
+        self._planned = decision
+        return decision["step"]
+
+    def resume(self, state: Mapping[str, Any]) -> int:
+        """Load the checkpoint `checkpoint.resume` points to into `state`; returns its step (0
+        when starting fresh). Call once, on every rank, before the first save; after
+        `plan_resume` it loads what that decided."""
+        if self._planned is None:
+            train = _find(state, TrainState)
+            self.plan_resume(train.config_yaml if train is not None else None)
+        decision, self._planned = self._planned, None
         if decision["path"] is None:
             return 0
         path, step = Path(decision["path"]), decision["step"]
         t0 = time.perf_counter()
         self._load(path, state, step, decision["hint"])
+        self._check_loaded_finite(path, state, decision["hint"])
         train = _find(state, TrainState)
         if train is not None and train.step != step:
             raise ConfigError(
@@ -433,7 +502,40 @@ class CheckpointManager:
             "or move the damaged directory away"
         )
 
-    def _decide(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    def _check_loaded_finite(self, path: Path, state: Mapping[str, Any], hint: str) -> None:
+        """Every rank, right after a load: the model's weights (this rank's shards) are finite.
+        A checkpoint whose hashes match but which holds nan or inf was saved that way; it
+        would stop the run at its first step with a non-finite loss instead."""
+        verified = self.cfg.checksum
+        model = _find(state, ModelState)
+        bad: list[str] = []
+        if model is not None:
+            names, flags = [], []
+            for name, p in model.model.named_parameters():
+                flag = _all_finite(getattr(p, "_local_tensor", p).detach())
+                if flag is not None:
+                    names.append(name)
+                    flags.append(flag)
+            if flags:  # one host sync for all of them
+                bad = [n for n, ok in zip(names, torch.stack(flags).tolist()) if not ok]
+        if self._pg is not None:
+            everyone: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(everyone, bad, group=self._pg)
+            bad = sorted(set().union(*everyone))
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            raise ConfigError(
+                f"checkpoint {path} holds non-finite weights (nan or inf in model.{bad[0]}"
+                f"{more}{'; its files match their hashes: saved so' if verified else ''}); "
+                f"{hint}"
+            )
+
+    def _decide(
+        self,
+        config_yaml: str | None,
+        check: Callable[[str, int], Any] | None = None,
+        accept_corpus: bool = False,
+    ) -> dict[str, Any]:
         """Rank 0: which checkpoint to load, or the one-line error every rank will raise."""
         spec = str(self.cfg.resume)
         if self.saving:
@@ -446,6 +548,14 @@ class CheckpointManager:
             return {"path": None, "step": 0, "error": None}
         if spec == "auto":
             found = store.newest_step(self.root)
+            for c in store.renamed_steps(self.root):
+                if found is None or c.step > found.step:
+                    self._log(
+                        f"{c.path} is not resumed from: its name is not a step directory's "
+                        f"(renamed?); "
+                        + (f"resuming from {found.path}" if found else "starting fresh")
+                        + f" (rename it back to {store.step_name(c.step)} to resume from it)"
+                    )
             if found is None:
                 return {"path": None, "step": 0, "error": None}
         else:
@@ -468,6 +578,18 @@ class CheckpointManager:
             else "there is no earlier complete checkpoint; use checkpoint.resume=none to "
             "start fresh"
         )
+        problem = store.entry_problem(found.path)
+        if problem and "cannot read" in problem:
+            return {
+                "path": None,
+                "step": 0,
+                "error": (
+                    f"checkpoint {found.path}: {problem}; give this run read access to it "
+                    f"(chmod/chown), or {hint}"
+                ),
+            }
+        if problem:
+            return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
         problem = store.verify_layout(found.path)
         if not problem and self.cfg.checksum:  # the small files rank 0 reads next, first
             manifest = store.read_manifest(found.path)
@@ -479,25 +601,63 @@ class CheckpointManager:
         problem = problem or self._metadata_problem(found.path)
         if problem:
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
-        train = _find(state, TrainState)
-        saved_yaml = found.path / store.CONFIG_FILE
+        saved_file = found.path / store.CONFIG_FILE
+        saved_yaml = saved_file.read_text() if saved_file.is_file() else None
         try:
-            mismatches = model_shape_mismatches(
-                saved_yaml.read_text() if saved_yaml.is_file() else None,
-                train.config_yaml if train is not None else None,
-            )
+            mismatches = model_shape_mismatches(saved_yaml, config_yaml)
+            # Checkpoints in this run's directory are its own (a copied run directory
+            # included); an absolute checkpoint.dir outside it may be another run's.
+            shared = not self.root.resolve().is_relative_to(self.run_dir.resolve())
+            owner = _run_name(saved_yaml) if spec == "auto" and shared else None
         except (yaml.YAMLError, AttributeError, TypeError, UnicodeDecodeError) as e:
             problem = f"{store.CONFIG_FILE} is not a readable config ({_first_line(e)})"
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
+        mine = _run_name(config_yaml)
+        if owner is not None and mine is not None and owner != mine:
+            return {
+                "path": None,
+                "step": 0,
+                "error": (
+                    f"checkpoint.dir={self.cfg.dir}: {self.root} holds the checkpoints of run "
+                    f"{owner} (newest: {found.path}), not of run.name={mine}; give this run a "
+                    f"checkpoint.dir of its own, or resume from it on purpose with "
+                    f"checkpoint.resume={found.path}"
+                ),
+            }
         if mismatches:
             return {
                 "path": None,
                 "step": 0,
                 "error": (
                     f"{'; '.join(mismatches)} (checkpoint {found.path}); resume with the "
-                    "checkpoint's model settings, or set checkpoint.resume=none to start fresh"
+                    "checkpoint's model settings, or train this model as a separate run with "
+                    "another run.name (checkpoint.resume=none would move this run's "
+                    "checkpoints aside)"
                 ),
             }
+        saved_corpus = (store.read_manifest(found.path) or {}).get("corpus")
+        if saved_corpus and self.corpus and saved_corpus != self.corpus:
+            if not accept_corpus:
+                return {
+                    "path": None,
+                    "step": 0,
+                    "error": (
+                        f"checkpoint {found.path} was trained on another corpus ({saved_corpus}; "
+                        f"this run's is {self.corpus}), so the run would continue on different "
+                        "data; resume with the data it was trained on (data=embedded: under "
+                        "the Python version it names), or accept the change on purpose with "
+                        "resume.accept=[data]"
+                    ),
+                }
+            self._log(
+                f"corpus: {saved_corpus} in checkpoint {found.path}, {self.corpus} now; "
+                "continuing on the new one (resume.accept)"
+            )
+        if check is not None and saved_yaml:
+            try:
+                check(saved_yaml, found.step)
+            except ConfigError as e:
+                return {"path": None, "step": 0, "error": str(e)}
         return {"path": str(found.path), "step": found.step, "error": None, "hint": hint}
 
     def _metadata_problem(self, path: Path) -> str | None:
@@ -705,7 +865,11 @@ class CheckpointManager:
         """Save `step` now (on every rank), waiting for a staging buffer if all are busy."""
         t0 = time.perf_counter()
         planned = None
-        if self._stager is not None and self._sync_staging(state):
+        # sync, and async_process while its writer processes start, write at the step; sync
+        # through the staging buffer when it has one (_sync_staging).
+        direct = self.cfg.mode == "sync" or self._writer_starting(step)
+        staged_direct = self.cfg.mode == "sync" and self._stager is not None
+        if (not direct or staged_direct) and self._sync_staging(state):
             # CPU work first, while the device finishes the step: what to copy, where.
             planned = staging.plan(state)
             self._agree()  # raises an earlier failure on every rank alike
@@ -720,7 +884,7 @@ class CheckpointManager:
                 (tmp / store.CONFIG_FILE).write_text(train.config_yaml)
         self._saves += 1  # the same count on every rank: save ids need no collective
         save_id = f"{self._token}-{self._saves}-step{step}"
-        if self.cfg.mode == "sync":
+        if direct:
             staged_times = {}
             try:
                 if planned is not None:
@@ -796,6 +960,23 @@ class CheckpointManager:
                 self._stager = None
         return self._sync_staged
 
+    def _writer_starting(self, step: int) -> bool:
+        """async_process: whether the writer process of some rank has not started yet (all
+        ranks agree, on `_ctl`). Until every one has, saves are written by this process as in
+        sync mode: a save due while the writers start (seconds: the child imports torch) is
+        taken at its step, never deferred behind them. No save is in a writer meanwhile, so
+        polling its pipe here is safe."""
+        if self._writer is None or self._writers_up:
+            return False
+        (ready,) = self._minimum([int(self._writer.wait_ready(0))])
+        self._writers_up = bool(ready)
+        if not ready:
+            self._log(
+                f"step {step}: saving from the training process (sync): the writer process "
+                "is still starting"
+            )
+        return not ready
+
     def _free_index(self) -> int:
         busy = {p.buffer for p in self._pending if not p.future.done()}
         return next(i for i in range(self._buffer_count()) if i not in busy)
@@ -860,7 +1041,11 @@ class CheckpointManager:
             step=step,
             world_size=self.world_size,
             checksum=self.cfg.checksum,
-            extra={"mode": self.cfg.mode, "torch": torch.__version__},
+            extra={
+                "mode": self.cfg.mode,
+                "torch": torch.__version__,
+                **({"corpus": self.corpus} if self.corpus else {}),
+            },
             hashes=hashes,
             algorithm=self._algorithm or "crc32",
             save_id=save_id,
@@ -877,13 +1062,19 @@ class CheckpointManager:
     def _prune(self) -> None:
         """Rank 0's pruner thread: delete committed checkpoints beyond keep_last (never the
         newest; `.tmp` directories being written are not listed)."""
+        failed: list[tuple[Path, Path, str]] = []
         try:
-            pruned = store.prune(self.root, self.cfg.keep_last)
+            pruned = store.prune(self.root, self.cfg.keep_last, failed)
         except OSError as e:  # a checkpoint left behind costs space, never a run
             self._log(f"could not prune old checkpoints in {self.root}: {e}")
             return
         if pruned:
             self._log(f"pruned {', '.join(p.name for p in pruned)}")
+        for path, left, error in failed:
+            self._log(
+                f"could not prune {path.name}: {error}; it is left as {left} (ignored by resume, "
+                "taking space until removed); training goes on"
+            )
 
     def _wait_pruned(self) -> None:
         if self._pruner is not None:
@@ -902,10 +1093,18 @@ class CheckpointManager:
             need = rank_bytes * self.world_size
             return ConfigError(
                 f"checkpoint save of step {step} failed: no space left on device under "
-                f"{self.root} ({free / 2**30:.1f} GiB free; this checkpoint needs about "
-                f"{need / 2**30:.2f} GiB, {rank_bytes / 2**30:.2f} GiB of it from rank "
+                f"{self.root} ({format_bytes(free)} free; this checkpoint needs about "
+                f"{format_bytes(need)}, {format_bytes(rank_bytes)} of it from rank "
                 f"{self.rank}); nothing was committed and the earlier checkpoints are intact; "
                 "free space or set checkpoint.dir to a larger filesystem"
+            )
+        if os_err is not None and os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            where = os_err.filename or self.root
+            return ConfigError(
+                f"checkpoint save of step {step} failed: {os_err.strerror or os_err} ({where}); "
+                "nothing was committed and the earlier checkpoints are intact; make "
+                f"{self.root} writable (or set checkpoint.dir to a writable filesystem) and "
+                "resume"
             )
         return RuntimeError(f"checkpoint save of step {step} failed: {_first_line(e)}")
 
@@ -1012,6 +1211,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
             if self._pending:
                 self._wait_all()

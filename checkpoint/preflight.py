@@ -4,11 +4,13 @@
 
 Every rank: the checkpoint fields are valid; the run directory (and the checkpoint directory)
 can be created and written (a probe file); with checkpoints on, the checkpoint filesystem has
-room for one more checkpoint, estimated from the model config (parameters x 12 bytes: fp32
+room for checkpoint.keep_last + 1 checkpoints (those kept plus the one being written; the
+ones already there count), each estimated from the model config (parameters x 12 bytes: fp32
 weights and two fp32 Adam moments; 13 with quantized weights, whose fp32 masters live in the
 optimizer), and for async modes this node's host memory (and for async_process /dev/shm) can
-hold one staging copy. Rank 0
-then takes the run directory's lock (checkpoint/runlock.py). Each failure is one ConfigError.
+hold one staging copy. Rank 0 then takes the run directory's lock (checkpoint/runlock.py), and
+the checkpoint directory's when it lies outside the run directory (an absolute checkpoint.dir
+that several runs may name). Each failure is one ConfigError.
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from checkpoint import staging
+from checkpoint import staging, store
 from checkpoint.config import validate
 from checkpoint.runlock import RunLock
 from errors import ConfigError
 from model.flops import parameter_count
 
 GiB = 2**30
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in the unit that shows it (B, KiB, MiB, GiB, TiB): never "0.0 GiB"."""
+    if n != n:  # nan: unknown
+        return "? bytes"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def estimate_checkpoint_bytes(m: Any, quantized_weights: bool = False) -> int:
@@ -63,14 +75,23 @@ def prepare_run_dir(
         _writable(root, f"checkpoint.dir={ck.dir}")
         quantized = bool(getattr(getattr(cfg, "recipe", None), "quantized_init", False))
         need = estimate_checkpoint_bytes(cfg.model, quantized)
+        # At the steady state keep_last checkpoints exist while the next one is written (the
+        # oldest is pruned after the commit); those already here take no more room (unless
+        # resume=none moves them aside: kept, never pruned).
+        have = len(store.list_complete(root)) if str(ck.resume) != "none" else 0
+        count = max(1, ck.keep_last + 1 - have)
         free = shutil.disk_usage(root).free
-        if free < need:
+        if free < count * need:
+            held = f"; {have} of them are here already" if have else ""
             raise ConfigError(
-                f"checkpoint.dir={ck.dir}: {root} has {free / GiB:.1f} GiB free, one checkpoint "
-                f"of model {cfg.model.name} needs about {need / GiB:.1f} GiB "
-                f"({parameter_count(cfg.model) / 1e6:.0f}M parameters x "
-                f"{13 if quantized else 12} bytes); free space or point checkpoint.dir to a "
-                "larger filesystem"
+                f"checkpoint.dir={ck.dir}: {root} has {format_bytes(free)} free, {count} more "
+                f"checkpoint{'s' if count > 1 else ''} of model {cfg.model.name} "
+                f"need{'' if count > 1 else 's'} about "
+                f"{format_bytes(count * need)} ({format_bytes(need)} each: "
+                f"{parameter_count(cfg.model) / 1e6:.1f}M parameters x "
+                f"{13 if quantized else 12} bytes; checkpoint.keep_last={ck.keep_last} kept "
+                f"plus the one being written{held}); free space, lower checkpoint.keep_last or "
+                "point checkpoint.dir to a larger filesystem"
             )
         if ck.mode in ("async", "async_process"):
             local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -79,16 +100,48 @@ def prepare_run_dir(
             if available is not None and per_node > available:
                 raise ConfigError(
                     f"checkpoint.mode={ck.mode}: staging this node's share of a checkpoint "
-                    f"needs about {per_node / GiB:.1f} GiB of host memory, "
-                    f"{available / GiB:.1f} GiB are available; use checkpoint=sync or more nodes"
+                    f"needs about {format_bytes(per_node)} of host memory, "
+                    f"{format_bytes(available)} are available; use checkpoint=sync or more nodes"
                 )
             shm = staging.shared_memory_free() if ck.mode == "async_process" else None
             if shm is not None and per_node > shm:
                 raise ConfigError(
                     f"checkpoint.mode=async_process: staging this node's share of a checkpoint "
-                    f"needs about {per_node / GiB:.1f} GiB of shared memory, /dev/shm has "
-                    f"{shm / GiB:.1f} GiB free; enlarge /dev/shm (docker --shm-size) or use "
+                    f"needs about {format_bytes(per_node)} of shared memory, /dev/shm has "
+                    f"{format_bytes(shm)} free; enlarge /dev/shm (docker --shm-size) or use "
                     "checkpoint=async"
                 )
     lock = RunLock.acquire(run_dir, log=log) if rank == 0 else None
+    if lock is not None and ck.mode != "none":
+        # A checkpoint.dir outside the run directory (an absolute path) may be shared by runs
+        # of different run.name: one run at a time there too (and a resume refuses another
+        # run's checkpoints: CheckpointManager.plan_resume).
+        root = checkpoint_root(cfg, run_dir).resolve()
+        if not root.is_relative_to(run_dir.resolve()):
+            try:
+                lock = _Locks(
+                    lock,
+                    RunLock.acquire(
+                        root,
+                        log=log,
+                        what=f"checkpoint.dir={ck.dir} ({root}, outside the run directory)",
+                    ),
+                )
+            except BaseException:
+                lock.release()
+                raise
     return run_dir, lock
+
+
+class _Locks:
+    """The run directory's lock and the checkpoint directory's, released together."""
+
+    def __init__(self, *locks: RunLock):
+        self.locks = locks
+
+    def held(self) -> bool:
+        return all(lock.held() for lock in self.locks)
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()

@@ -93,8 +93,10 @@ class RunLock:
         _HELD[path] = self
 
     @classmethod
-    def acquire(cls, run_dir: Path, log=print) -> RunLock:
+    def acquire(cls, run_dir: Path, log=print, what: str | None = None) -> RunLock:
+        """`what`: the directory as the refusal names it (default: "run directory <dir>")."""
         path = Path(run_dir) / LOCK_NAME
+        what = what or f"run directory {run_dir}"
         info = {
             "host": host_id(),
             "pid": os.getpid(),
@@ -118,7 +120,7 @@ class RunLock:
                 if reason is None:
                     who = _describe(holder) if holder else "a run that is starting"
                     raise ConfigError(
-                        f"run directory {run_dir} is in use by another run ({who}; lock file "
+                        f"{what} is in use by another run ({who}; lock file "
                         f"{path}); wait for it to end or use another run.name (a lock whose "
                         f"holder died is taken over automatically: on this host at once, from "
                         f"another host after {STALE_S:.0f}s without heartbeat)"
@@ -165,8 +167,15 @@ class RunLock:
         self._stop.set()
         if _HELD.get(self.path) is self:
             del _HELD[self.path]
-            if self.held():
-                self.path.unlink(missing_ok=True)
+            try:
+                if self.held():
+                    self.path.unlink(missing_ok=True)
+            except OSError as e:  # e.g. the filesystem turned read-only: not worth a traceback
+                print(
+                    f"run lock: could not remove {self.path} ({e.strerror or e}); the next run "
+                    "takes it over (its holder is gone)",
+                    flush=True,
+                )
 
 
 @atexit.register

@@ -22,10 +22,13 @@ Every function here is called on rank 0 only (the manager broadcasts what it dec
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import stat
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,6 +65,13 @@ def _dir_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _is_complete(p: Path) -> bool:
+    try:
+        return p.is_dir() and (p / MANIFEST).is_file()
+    except OSError:  # e.g. a directory this process cannot enter
+        return False
+
+
 def list_complete(root: Path) -> list[Checkpoint]:
     """Committed checkpoints under root, oldest first."""
     if not root.is_dir():
@@ -69,7 +79,7 @@ def list_complete(root: Path) -> list[Checkpoint]:
     found = []
     for p in root.iterdir():
         step = _dir_step(p)
-        if step is not None and p.is_dir() and (p / MANIFEST).is_file():
+        if step is not None and _is_complete(p):
             found.append(Checkpoint(p, step))
     return sorted(found, key=lambda c: c.step)
 
@@ -80,12 +90,52 @@ def newest_complete(root: Path) -> Checkpoint | None:
 
 
 def list_steps(root: Path) -> list[Checkpoint]:
-    """Every step directory under root (committed or damaged: with or without a manifest),
-    oldest first. `.tmp`, `.abandoned-*` and other names are not step directories."""
+    """Every entry named like a step directory under root (committed or damaged: with or
+    without a manifest, or not a directory at all: a file, a symlink loop), oldest first;
+    `entry_problem` says what is wrong with one that is not a directory. `.tmp`,
+    `.abandoned-*` and other names are not step directories (`renamed_steps`)."""
     if not root.is_dir():
         return []
     found = [Checkpoint(p, s) for p in root.iterdir() if (s := _dir_step(p)) is not None]
-    return sorted((c for c in found if c.path.is_dir()), key=lambda c: c.step)
+    return sorted(found, key=lambda c: c.step)
+
+
+def entry_problem(path: Path) -> str | None:
+    """Why the step entry `path` cannot be a checkpoint directory: not a directory, a
+    symbolic link loop, or a directory this process cannot read. None: a readable directory."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"it is a symbolic link loop ({path.name} -> {os.readlink(path)})"
+        if path.is_symlink():
+            return f"it is a dangling symbolic link ({path.name} -> {os.readlink(path)})"
+        return f"it cannot be read ({e.strerror or e})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is a file, not a checkpoint directory"
+    try:
+        os.listdir(path)
+    except OSError as e:
+        return f"this run cannot read the directory ({e.strerror or e})"
+    return None
+
+
+#: Suffixes this package gives step directories it set aside or is writing.
+_OWN_SUFFIXES = re.compile(r"^(\.tmp|\.pruned\.tmp|\.replaced\.tmp|\.abandoned-\d+)$")
+_RENAMED_RE = re.compile(r"^step_(\d+)(.+)$")
+
+
+def renamed_steps(root: Path) -> list[Checkpoint]:
+    """Entries named like a step directory plus a suffix this package never writes (e.g.
+    `step_0000012.bak`: renamed by someone), oldest first. Resume does not read them."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _RENAMED_RE.match(p.name)
+        if m and not _OWN_SUFFIXES.match(m.group(2)):
+            found.append(Checkpoint(p, int(m.group(1))))
+    return sorted(found, key=lambda c: c.step)
 
 
 def newest_step(root: Path) -> Checkpoint | None:
@@ -120,12 +170,43 @@ def _trailer_problem(path: Path, rel: str, save_id: str) -> str | None:
             tail = f.read(TRAILER_SIZE)
     except OSError as e:
         return f"file {rel} cannot be read ({e.strerror or e})"
-    if tail != trailer(save_id, path.name):
-        return (
-            f"file {rel} does not belong to this save (its trailer names another save or file: "
-            "swapped in from another checkpoint?)"
-        )
-    return None
+    want = trailer(save_id, path.name)
+    if tail == want:
+        return None
+    return f"file {rel} {_trailer_mismatch(tail, want)}"
+
+
+def _trailer_fields(tail: bytes) -> tuple[str, str] | None:
+    """(save id, file name) of a well-formed trailer, else None."""
+    if len(tail) != TRAILER_SIZE or not tail.startswith(TRAILER_MAGIC):
+        return None
+    try:
+        sid = tail[8:44].rstrip(b"\0").decode("ascii")
+        name = tail[44:].rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if not re.fullmatch(r"[0-9a-f]+-\d+-step\d+", sid) or not name.endswith(DATA_SUFFIX):
+        return None
+    return sid, name
+
+
+def _trailer_mismatch(tail: bytes, want: bytes) -> str:
+    """What a data file's last 64 bytes say instead of this save's trailer, in a few words:
+    another save's (or file's) trailer intact means the file was swapped in or renamed; a
+    trailer that does not read as one means its bytes were damaged."""
+    got, expected = _trailer_fields(tail), _trailer_fields(want)
+    if got is not None and expected is not None:
+        if got[0] != expected[0]:
+            return (
+                f"does not belong to this save: its trailer names save {got[0]}, this "
+                f"checkpoint is save {expected[0]} (swapped in from another checkpoint)"
+            )
+        return f"carries the trailer of file {got[1]} of this save (renamed or copied over)"
+    differ = sum(a != b for a, b in zip(tail, want)) + abs(len(want) - len(tail))
+    return (
+        f"has a damaged trailer ({differ} of its last {TRAILER_SIZE} bytes, which name the "
+        "save and file, differ from what this save wrote)"
+    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -225,7 +306,8 @@ def verify_layout(path: Path) -> str | None:
             return f"file {rel} is missing"
         size = p.stat().st_size
         if size != want["size"]:
-            return f"file {rel} has {size} bytes, the manifest says {want['size']} (truncated)"
+            how = "truncated" if size < want["size"] else "longer than recorded: appended to"
+            return f"file {rel} has {size} bytes, the manifest says {want['size']} ({how})"
         if save_id and rel.endswith(DATA_SUFFIX):
             problem = _trailer_problem(p, rel, save_id)
             if problem:
@@ -260,17 +342,41 @@ def verify(path: Path, checksum: bool = True) -> str | None:
     return verify_hashes(path, list(manifest["files"]), manifest)
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
+def prune(
+    root: Path, keep_last: int, failed: list[tuple[Path, Path, str]] | None = None
+) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep_last` (keep_last >= 1, so the
-    newest complete one always stays; `.tmp` directories being written are never listed)."""
+    newest complete one always stays; `.tmp` directories being written are never listed).
+    Returns the checkpoints deleted; one whose files could not all be deleted is left renamed
+    to `*.pruned.tmp` (ignored by resume) and goes to `failed` as (checkpoint, where it is
+    now, the first error) instead."""
     done = list_complete(root)
     victims = done[: max(0, len(done) - max(1, keep_last))]
+    deleted = []
     for c in victims:
         # Rename first so a crash mid-delete leaves an ignored .tmp, not a damaged checkpoint.
         doomed = c.path.with_name(c.path.name + ".pruned" + TMP_SUFFIX)
         os.rename(c.path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return [c.path for c in victims]
+        errors: list[str] = []
+        _rmtree_noting(doomed, errors)
+        if errors and doomed.exists():
+            if failed is not None:
+                failed.append((c.path, doomed, errors[0]))
+        else:
+            deleted.append(c.path)
+    return deleted
+
+
+def _rmtree_noting(path: Path, errors: list[str]) -> None:
+    """shutil.rmtree that goes on past errors and notes each ("<reason>: <path>")."""
+
+    def note(p, e):
+        errors.append(f"{getattr(e, 'strerror', None) or e}: {p}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _f, p, e: note(p, e))
+    else:
+        shutil.rmtree(path, onerror=lambda _f, p, info: note(p, info[1]))
 
 
 def abandon_newer(root: Path, step: int) -> list[Path]:

@@ -7,9 +7,11 @@ tokenization and packing happen in data/packing.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import os
+import platform
 import sysconfig
 
 import datasets
@@ -30,8 +32,33 @@ def stdlib_documents(max_bytes: int) -> tuple[list[str], list[str]]:
     """(relative paths, texts) of the stdlib's *.py files in sorted walk order, <= max_bytes.
 
     The last file is cut so the corpus holds exactly min(max_bytes, available) UTF-8 bytes
-    (give or take a split multi-byte character). The content depends on the Python version.
+    (give or take a split multi-byte character). The content depends on the Python version,
+    down to the patch release (`corpus_fingerprint` tells corpora apart).
     """
+    paths, texts = _stdlib_documents(max_bytes)
+    return list(paths), list(texts)
+
+
+def corpus_fingerprint(cfg: DataConfig) -> str | None:
+    """A short name of the exact corpus data=embedded trains on, recorded in every checkpoint
+    and compared on resume: the Python version whose standard library it is built from and a
+    hash of its files' names and contents. None for the other sources (their identity is
+    their config: data.path, data.subset, ...; synthetic data comes from data.seed)."""
+    if cfg.name != "embedded" or cfg.max_bytes <= 0:
+        return None
+    paths, texts = _stdlib_documents(cfg.max_bytes)
+    h = hashlib.sha256()
+    for path, text in zip(paths, texts):
+        h.update(path.encode() + b"\0" + text.encode("utf-8") + b"\0")
+    return (
+        f"data=embedded from Python {platform.python_version()} ({len(paths)} files, "
+        f"sha256 {h.hexdigest()[:16]})"
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _stdlib_documents(max_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """stdlib_documents, read once per process (the fingerprint and the dataset share it)."""
     root = sysconfig.get_paths()["stdlib"]
     paths, texts, remaining = [], [], max_bytes
     for dirpath, dirnames, filenames in os.walk(root):
@@ -52,8 +79,8 @@ def stdlib_documents(max_bytes: int) -> tuple[list[str], list[str]]:
             texts.append(text)
             remaining -= len(text.encode("utf-8"))
             if remaining <= 0:
-                return paths, texts
-    return paths, texts
+                return tuple(paths), tuple(texts)
+    return tuple(paths), tuple(texts)
 
 
 def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:

@@ -171,3 +171,49 @@ def test_cli_bad_input_one_line_no_traceback(overrides, message):
         assert len(lines) == 1, r.stderr
         assert r.returncode == 2
     assert not Path("/nonexistent-never-created").exists()
+
+
+#: Values that were accepted without a word (issue 28): each is one line naming the field.
+SILENT_BEFORE = [
+    (
+        ["checkpoint.interval=0", "checkpoint.save_at_end=false"],
+        "checkpoint.interval=0 with checkpoint.save_at_end=false never saves a checkpoint "
+        "(checkpoint=sync); set checkpoint.interval>0 or checkpoint.save_at_end=true, or use "
+        "checkpoint=none",
+    ),
+    (["optim.schedule_steps=1"], "optim.schedule_steps=1 must be >= 2"),
+    (["model.init_std=-0.02"], "model.init_std=-0.02 must be > 0"),
+    (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0 (RMSNorm divides by it)"),
+    (["train.peak_tflops=-5"], "train.peak_tflops=-5.0 must be > 0"),
+    (["train.peak_tflops=0"], "train.peak_tflops=0.0 must be > 0"),
+    (
+        ["checkpoint=none", "checkpoint.resume=auto"],
+        "checkpoint.resume=auto with checkpoint=none: a run that saves no checkpoints has none "
+        "of its own to resume",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,message", SILENT_BEFORE)
+def test_values_accepted_silently_before_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check(*overrides)
+    text = str(err.value)
+    assert text.startswith(message), text
+    assert "\n" not in text
+
+
+def test_neighbours_of_the_refused_values_still_pass():
+    check("optim.schedule_steps=2", "optim.warmup_steps=0")
+    check("checkpoint.interval=0")  # saves at the end
+    check("checkpoint.save_at_end=false")  # saves every interval
+    check("checkpoint=none")  # resume: none
+    check("checkpoint=none", "checkpoint.resume=/some/step_0000010")  # start from it, no saves
+    check("train.peak_tflops=989")
+    check(
+        "checkpoint=sync",
+        "checkpoint.interval=0",
+        "checkpoint.save_at_end=false",
+        "recipe.switch=[{at: 2, bf16_layers: [0]}]",
+        "train.steps=4",
+    )
