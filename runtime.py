@@ -106,6 +106,24 @@ def apply_determinism(on: bool) -> str | None:
     return line
 
 
+def check_determinism(on: bool, impl: str, document_mask: bool, device: torch.device) -> None:
+    """What train.deterministic cannot keep fast, refused in one line before any work. On
+    sm_90, TE 2.20 has no deterministic fused backward for document-masked (THD) attention
+    past about 2^30 x documents x heads x max_seqlen^2 (cuDNN's workspace): it falls back to
+    its unfused attention, which holds seq^2 scores per head (28 GiB at llama3_1b, seq 8192)
+    and runs out of memory at realistic lengths."""
+    if not (on and impl == "te" and document_mask and device.type == "cuda"):
+        return
+    if torch.cuda.get_device_capability(device) == (9, 0):
+        raise ConfigError(
+            "train.deterministic=true with data.document_mask=true on this sm_90 GPU: TE has "
+            "no deterministic fused attention backward for documents here (it falls back to "
+            "unfused attention, seq_len^2 memory per head); set data.document_mask=false for "
+            "deterministic runs (causal attention is deterministic and fused), or "
+            "train.deterministic=false"
+        )
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated GPU memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -57,6 +57,7 @@ from runtime import (
     EXIT_REQUEUE,
     StopSignal,
     apply_determinism,
+    check_determinism,
     deterministic_env,
     exit_status,
     peak_memory_gb,
@@ -83,6 +84,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
         )
     p = cfg.parallel
     check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, p.cp_a2a_size)
+    check_determinism(cfg.train.deterministic, impl, cfg.data.document_mask, device)
     # Every recipe of the run: the first, and each one `recipe.switch` changes to.
     for i, rcfg in enumerate(
         [cfg.recipe, *(s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg)))]
