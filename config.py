@@ -30,18 +30,22 @@ from recipes.config import RecipeConfig
 class RunConfig:
     #: Run directory is <root>/<name>; re-running with the same name resumes it.
     name: str = "${model.name}-${recipe.name}-${parallel.name}"
+    #: Folder that holds the run directories (relative to the current directory).
     root: str = "runs"
 
 
 @dataclass
 class TrainConfig:
+    #: Optimizer step to stop at (the run's end; raising it on resume extends the run).
     steps: int = 300
     #: Sequences per optimizer step over all data-parallel ranks.
     global_batch_size: int = 16
     #: Sequences per forward/backward on one rank; the rest is gradient accumulation.
     #: null: the whole per-rank share of the global batch (no accumulation).
     micro_batch_size: int | None = None
+    #: Print and record metrics every this many steps (and at the last step).
     log_every: int = 10
+    #: Seed of the weight init (per parameter, from seed and name) and of each rank's RNG.
     seed: int = 1234
     #: auto | cpu | cuda
     device: str = "auto"
@@ -56,12 +60,19 @@ class TrainConfig:
 class OptimConfig:
     #: adamw: torch AdamW for the reference implementation, TE FusedAdam for TE.
     name: str = "adamw"
+    #: Peak learning rate, reached at the end of warmup.
     lr: float = 3e-3
+    #: The cosine decays to lr * min_lr_ratio at the end of the schedule (in [0, 1]).
     min_lr_ratio: float = 0.1
+    #: Linear warmup from 0 to lr, in optimizer steps.
     warmup_steps: int = 30
+    #: AdamW decoupled weight decay of the matrix weights (1-D parameters such as norms: none).
     weight_decay: float = 0.1
+    #: Adam's first-moment decay, in [0, 1).
     beta1: float = 0.9
+    #: Adam's second-moment decay, in [0, 1).
     beta2: float = 0.95
+    #: Adam's denominator epsilon (> 0).
     eps: float = 1e-8
     #: Max global grad norm (0 disables clipping).
     grad_clip: float = 1.0
@@ -93,9 +104,13 @@ class ResumeConfig:
 class WandbConfig:
     #: disabled | offline | online
     mode: str = "disabled"
+    #: wandb project name.
     project: str = "te-llama"
+    #: wandb entity (team or user); null: the logged-in user's default.
     entity: str | None = None
+    #: wandb run group (e.g. to gather a sweep); null: none.
     group: str | None = None
+    #: wandb run tags.
     tags: list[str] = field(default_factory=list)
     #: What a resumed run does about steps wandb got past the checkpoint: rewind (online: the
     #: run is rewound to the checkpoint's step, `wandb.init(resume_from=...)`, and records go
@@ -107,6 +122,7 @@ class WandbConfig:
 
 @dataclass
 class LoggerConfig:
+    #: Weights & Biases logging (stdout and <run_dir>/metrics.jsonl are always written).
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

@@ -491,4 +491,6 @@ def cli(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if {"--help", "-h"} & set(sys.argv[1:]):  # the field reference, not Hydra's (confhelp.py)
+        sys.exit(__import__("confhelp").main(sys.argv[1:]))
     sys.exit(cli(sys.argv[1:]))
