@@ -72,6 +72,26 @@ class StopSignal:
         return bool(flag.item())
 
 
+def report_error(line: str) -> None:
+    """A run that cannot go on, in one line: printed by rank 0 (every rank usually finds the
+    same error) as `error: <line>`, and, under torchrun, written to this worker's error file,
+    so the launcher's failure summary (which follows the worker's output) names this line as
+    the failure's cause instead of pointing at how to get a traceback."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        import json
+        import time
+
+        info = {"py_callstack": f"error: {line}", "timestamp": str(int(time.time()))}
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": f"error: {line}", "extraInfo": info}}, f)
+        except OSError:
+            pass
+
+
 def exit_status(statuses: list[int]) -> int:
     """0 when every job succeeded; else the failing jobs' status when they agree, else 1."""
     failed = sorted({s for s in statuses if s != 0})
