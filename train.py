@@ -50,6 +50,7 @@ from config import (
     validate_batch,
 )
 from data import build_data, build_tokenizer
+from data.sources import check_source
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
 from model import build_model, init_weights, resolve_impl, te_available
@@ -79,6 +80,7 @@ register_configs()
 def check_config(cfg: Config, world_size: int, device: torch.device):
     """Everything that can be wrong with the config, checked before any expensive work."""
     validate(cfg)
+    check_source(cfg.data)  # data=hf: the local path exists (the tokenizer comes next)
     dims = ParallelDims(cfg.parallel, world_size)
     dims.validate_model(cfg.model)
     dims.validate_seq_len(cfg.data.seq_len)
