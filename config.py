@@ -86,7 +86,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     #: Length of the warmup + cosine schedule in optimizer steps; past it the lr stays at
     #: lr * min_lr_ratio. null: train.steps. Set it to the old train.steps to extend a run
-    #: without changing its schedule (README, Resume).
+    #: without changing its schedule (docs/RUNS.md).
     schedule_steps: int | None = None
 
 

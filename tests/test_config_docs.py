@@ -4,6 +4,7 @@ docs/CONFIGURATION.md current, and `python train.py --help` printing it."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,34 @@ def test_train_help_narrows_and_takes_overrides():
     bad = _train_help("--help", "nosuchgroup")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: no config field starts with nosuchgroup"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # no headings in code blocks
+    return {_anchor(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file of the repo, and its
+    #anchor a heading of that file."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links: " + "; ".join(broken)
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
