@@ -72,7 +72,7 @@ class OptimConfig:
     lr: float = 3e-3
     #: The cosine decays to lr * min_lr_ratio at the end of the schedule (in [0, 1]).
     min_lr_ratio: float = 0.1
-    #: Linear warmup from 0 to lr, in optimizer steps.
+    #: Linear warmup from 0 to lr, in optimizer steps (longer than the schedule: a warning).
     warmup_steps: int = 30
     #: AdamW decoupled weight decay of the matrix weights (1-D parameters such as norms: none).
     weight_decay: float = 0.1
