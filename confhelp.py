@@ -17,7 +17,9 @@ described by the first sentence of its header comment.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
+import functools
 import inspect
 import re
 import sys
@@ -167,6 +169,11 @@ def _has(tree: dict, path: str) -> bool:
 def composed_defaults(overrides: typing.Sequence[str] = ()) -> dict:
     """The config `python train.py <overrides>` composes, unresolved (interpolations such as
     run.name's stay as written), without Hydra's own node."""
+    return copy.deepcopy(_composed(tuple(overrides)))
+
+
+@functools.lru_cache(maxsize=8)
+def _composed(overrides: tuple[str, ...]) -> dict:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
