@@ -560,8 +560,7 @@ def config_changes(saved_yaml: str, current_yaml: str) -> list[Change]:
             if follows_steps:
                 c.edited = "train.steps"
                 c.note = (
-                    f"the LR schedule's length, which stretches to {c.new} steps unless "
-                    f"optim.schedule_steps={c.old}"
+                    f"the LR schedule's length: {c.new} steps unless optim.schedule_steps={c.old}"
                 )
             else:
                 c.note = "the LR schedule's length"
