@@ -183,7 +183,7 @@ def check_adds(overrides: Sequence[str]) -> None:
                 "e.g. train.steps=100 (quote values with spaces or brackets)"
             ) from None
         key = o.key_or_group
-        if not (o.is_add() or o.is_force_add()) or key.startswith("hydra."):
+        if not (o.is_add() or o.is_force_add()) or key.startswith(("hydra.", "hydra/")):
             continue
         if key.split(".")[0] in FREE_FORM or (o.is_add() and key in groups):
             continue
@@ -200,7 +200,9 @@ def job_overrides(argv: Sequence[str]) -> list[list[str]] | None:
 
     if any(a.split("=", 1)[0] in CONFIG_FLAGS for a in argv):
         return None
-    task = [a for a in sweep.override_args(argv) if not a.lstrip("+~").startswith("hydra.")]
+    task = [
+        a for a in sweep.override_args(argv) if not a.lstrip("+~").startswith(("hydra.", "hydra/"))
+    ]
     if not sweep.is_multirun(argv):
         return [task]
     try:

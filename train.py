@@ -237,7 +237,11 @@ def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig) -> str:
     if spec == "none":
         moved = " (its checkpoints would be moved aside)" if store.newest_step(root) else ""
         return f"resume: checkpoint.resume=none: starts fresh at step 0 in {run_dir}{moved}"
-    found = store.newest_step(root) if spec == "auto" else store.find_checkpoint(Path(spec))
+    found = (
+        store.newest_step(root)
+        if spec == "auto"
+        else store.find_checkpoint(Path(spec).expanduser())
+    )
     if found is None:
         if spec != "auto":
             raise ConfigError(
