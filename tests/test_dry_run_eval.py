@@ -145,3 +145,15 @@ def test_dry_run_under_torchrun(tmp_path):
         "mesh: ParallelDims(fsdp_tp: dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2)" in out
     )
     assert not tmp_path.joinpath("r").exists()
+
+
+@pytest.mark.slow
+def test_eval_only_on_two_ranks_matches_one(tmp_path):
+    evals = ["eval.batches=2", "data.eval_fraction=0.1", "eval.every=2"]
+    status, out, err = run(tmp_path, "train.steps=2", "checkpoint=sync", *evals)
+    assert status == 0, err[-3000:]
+    one = run(tmp_path, "train.steps=2", "train.eval_only=true", *evals)
+    two = run(tmp_path, "train.steps=2", "train.eval_only=true", *evals, nproc=2)
+    assert one[0] == two[0] == 0, one[2][-2000:] + two[2][-2000:]
+    line = [x for x in lines(one[1]) if x.startswith("eval: step 2 val_loss ")]
+    assert len(line) == 1 and [x for x in lines(two[1]) if x.startswith("eval: ")] == line
