@@ -25,31 +25,49 @@ ARGS ?=
 
 .PHONY: torch setup setup-dev setup-gpu train test test-fast lint gpu-suite
 
+# Each install step runs pip only when tools/deps_met.py finds something missing (a package,
+# a version pyproject.toml does not allow, this checkout not installed with pip -e): the first
+# `make train` shows pip's downloads, a second one prints one line per step and installs
+# nothing. FORCE_INSTALL=1 runs pip anyway.
+FORCE_INSTALL ?= 0
+DEPS_MET = test "$(FORCE_INSTALL)" != 1 && $(PYTHON) tools/deps_met.py
+
 # torch first and alone. pip shows what it downloads (no -q): the CPU build is ~200 MB.
 torch:
-	@echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $(TORCH_SPEC) from" \
-	    "$(or $(TORCH_INDEX),pip's configured index) (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"
-	$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@if $(DEPS_MET) "$(TORCH_SPEC)"; then \
+	    echo "== torch: $(TORCH_SPEC) already installed"; \
+	else \
+	    echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $(TORCH_SPEC) from" \
+	        "$(or $(TORCH_INDEX),pip's configured index) (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"; \
+	    echo '$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))'; \
+	    $(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	fi
 	@$(PYTHON) -W ignore -c "import torch; cuda = torch.version.cuda; \
 	    print('== torch', torch.__version__, f'(CUDA {cuda})' if cuda else '(CPU build)'); \
 	    cuda and '$(HAS_GPU)' == 'no' and print('== note: a CUDA build (GBs of nvidia-* packages)', \
 	    'on a machine without a GPU; for the CPU build, start again in a fresh venv')"
 
 setup: torch
-	$(PIP) install -e .
+	@$(DEPS_MET) --project && echo "== setup: this checkout and its dependencies already installed" \
+	    || { echo '$(PIP) install -e .'; $(PIP) install -e .; }
 
 setup-dev: torch
-	$(PIP) install -e ".[dev]"
+	@$(DEPS_MET) --project --extra dev \
+	    && echo "== setup-dev: this checkout and its [dev] dependencies already installed" \
+	    || { echo '$(PIP) install -e ".[dev]"'; $(PIP) install -e ".[dev]"; }
 
 # GPU machine: torch with CUDA, then the project with TransformerEngine (the [gpu] extra). TE's
 # torch extension is a source distribution that imports the installed torch to build against it
 # (its CUDA version picks TE's core library), hence --no-build-isolation, which in turn needs
-# the build tools installed first (the [gpu-build] extra). See README, Install.
+# the build tools installed first (the [gpu-build] extra). See docs/INSTALL.md.
 setup-gpu: torch
 	@$(PYTHON) -c "import sys, torch; torch.version.cuda or sys.exit('setup-gpu: torch ' \
 	    + torch.__version__ + ' is a CPU build; TransformerEngine needs torch with CUDA')"
-	$(PIP) install -e ".[gpu-build]"
-	$(PIP) install --no-build-isolation -e ".[gpu]"
+	@$(DEPS_MET) --project --extra gpu-build && echo "== setup-gpu: [gpu-build] already installed" \
+	    || { echo '$(PIP) install -e ".[gpu-build]"'; $(PIP) install -e ".[gpu-build]"; }
+	@$(DEPS_MET) --project --extra gpu && echo "== setup-gpu: [gpu] already installed" \
+	    || { echo '$(PIP) install --no-build-isolation -e ".[gpu]"'; \
+	         $(PIP) install --no-build-isolation -e ".[gpu]"; }
 	@$(PYTHON) -c "import transformer_engine as te, transformer_engine.pytorch; \
 	    print('== TransformerEngine', te.__version__)"
 

@@ -30,18 +30,22 @@ from recipes.config import RecipeConfig
 class RunConfig:
     #: Run directory is <root>/<name>; re-running with the same name resumes it.
     name: str = "${model.name}-${recipe.name}-${parallel.name}"
+    #: Folder that holds the run directories (relative to the current directory).
     root: str = "runs"
 
 
 @dataclass
 class TrainConfig:
+    #: Optimizer step to stop at (the run's end; raising it on resume extends the run).
     steps: int = 300
     #: Sequences per optimizer step over all data-parallel ranks.
     global_batch_size: int = 16
     #: Sequences per forward/backward on one rank; the rest is gradient accumulation.
     #: null: the whole per-rank share of the global batch (no accumulation).
     micro_batch_size: int | None = None
+    #: Print and record metrics every this many steps (and at the last step).
     log_every: int = 10
+    #: Seed of the weight init (per parameter, from seed and name) and of each rank's RNG.
     seed: int = 1234
     #: auto | cpu | cuda
     device: str = "auto"
@@ -57,24 +61,39 @@ class TrainConfig:
     #: CUBLAS_WORKSPACE_CONFIG=:4096:8 are set by hand (the record says what was in effect).
     #: It changes no math, so a resume may turn it on or off.
     deterministic: bool = False
+    #: Check everything and train nothing: validate the config, compare it with the run's
+    #: checkpoint (the resume decision), build the model on the meta device, print the mesh,
+    #: parameter count, memory and checkpoint-size estimates, then exit 0. The run directory
+    #: is neither created nor changed; no data is read.
+    dry_run: bool = False
+    #: Evaluate only: load the run's newest checkpoint (or checkpoint.resume=PATH), print the
+    #: loss on eval.batches held-out batches (even with eval.every=0), save nothing, exit.
+    eval_only: bool = False
 
 
 @dataclass
 class OptimConfig:
     #: adamw: torch AdamW for the reference implementation, TE FusedAdam for TE.
     name: str = "adamw"
+    #: Peak learning rate, reached at the end of warmup.
     lr: float = 3e-3
+    #: The cosine decays to lr * min_lr_ratio at the end of the schedule (in [0, 1]).
     min_lr_ratio: float = 0.1
+    #: Linear warmup from 0 to lr, in optimizer steps (longer than the schedule: a warning).
     warmup_steps: int = 30
+    #: AdamW decoupled weight decay of the matrix weights (1-D parameters such as norms: none).
     weight_decay: float = 0.1
+    #: Adam's first-moment decay, in [0, 1).
     beta1: float = 0.9
+    #: Adam's second-moment decay, in [0, 1).
     beta2: float = 0.95
+    #: Adam's denominator epsilon (> 0).
     eps: float = 1e-8
     #: Max global grad norm (0 disables clipping).
     grad_clip: float = 1.0
     #: Length of the warmup + cosine schedule in optimizer steps; past it the lr stays at
     #: lr * min_lr_ratio. null: train.steps. Set it to the old train.steps to extend a run
-    #: without changing its schedule (README, Resume).
+    #: without changing its schedule (docs/RUNS.md).
     schedule_steps: int | None = None
 
 
@@ -100,9 +119,13 @@ class ResumeConfig:
 class WandbConfig:
     #: disabled | offline | online
     mode: str = "disabled"
+    #: wandb project name.
     project: str = "te-llama"
+    #: wandb entity (team or user); null: the logged-in user's default.
     entity: str | None = None
+    #: wandb run group (e.g. to gather a sweep); null: none.
     group: str | None = None
+    #: wandb run tags.
     tags: list[str] = field(default_factory=list)
     #: What a resumed run does about steps wandb got past the checkpoint: rewind (online: the
     #: run is rewound to the checkpoint's step, `wandb.init(resume_from=...)`, and records go
@@ -114,6 +137,7 @@ class WandbConfig:
 
 @dataclass
 class LoggerConfig:
+    #: Weights & Biases logging (stdout and <run_dir>/metrics.jsonl are always written).
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -304,6 +328,21 @@ def validate(cfg: Config) -> None:
             f"data.eval_fraction={d.eval_fraction} must be in (0, 0.5] with eval.every > 0 "
             "(the share of documents held out of training for evaluation)",
         )
+    _require(
+        not (t.dry_run and t.eval_only),
+        "train.dry_run and train.eval_only are two different commands; set one of them",
+    )
+    if t.eval_only:
+        _require(
+            str(cfg.checkpoint.resume) != "none",
+            "train.eval_only evaluates a checkpoint and checkpoint.resume=none loads none; use "
+            "checkpoint.resume=auto (the run's newest) or checkpoint.resume=PATH",
+        )
+        _require(
+            d.name != "synthetic",
+            "train.eval_only needs held-out documents, which data=synthetic has none of; use "
+            "data=embedded or data=hf",
+        )
     check_accept(cfg.resume.accept)
     if cfg.recipe.switch:
         from recipes.switch import resolve_switches
@@ -370,7 +409,7 @@ def check_experiment_overrides(args: Sequence[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Config changes on resume (README, Resume)
+# Config changes on resume (docs/RUNS.md)
 
 #: Fields a resume may change freely: where the run executes, how it is split over devices,
 #: what it records and when it stops. A name ending in "." covers a whole group. Every other
@@ -386,6 +425,8 @@ RESUME_FREE = (
     "train.peak_tflops",
     "train.profile_steps",
     "train.deterministic",
+    "train.dry_run",
+    "train.eval_only",
     "parallel.name",
     "parallel.dp_replicate",
     "parallel.dp_shard",
@@ -467,16 +508,24 @@ class Change:
     #: Other names that accept it (the field the user edited, when `path` is derived).
     via: tuple[str, ...] = ()
     note: str = ""
+    #: The field the user edited when `path` is derived from it (optim.schedule_steps left
+    #: null follows train.steps): messages name it, and it is what resume.accept should name.
+    edited: str | None = None
 
     @property
     def free(self) -> bool:
         return is_free_on_resume(self.path)
 
+    @property
+    def name(self) -> str:
+        """The field to name to the user (and in resume.accept)."""
+        return self.edited or self.path
+
     def accepted_by(self, names: Sequence[str]) -> bool:
         return any(_covers(n, p) for n in names for p in (self.path, *self.via))
 
     def __str__(self) -> str:
-        return f"{self.path} {self.old} -> {self.new}" + (f" ({self.note})" if self.note else "")
+        return f"{self.name} {self.old} -> {self.new}" + (f" ({self.note})" if self.note else "")
 
 
 def _merge_defaults(defaults: Any, saved: Any) -> Any:
@@ -532,20 +581,22 @@ def config_changes(saved_yaml: str, current_yaml: str) -> list[Change]:
 
     defaults = schema_defaults()
     saved_tree = _with_predating_values(yaml.safe_load(saved_yaml) or {})
-    saved = _effective(_merge_defaults(defaults, saved_tree))
-    current = _effective(_merge_defaults(defaults, yaml.safe_load(current_yaml) or {}))
+    raw = [_merge_defaults(defaults, t) for t in (saved_tree, yaml.safe_load(current_yaml) or {})]
+    saved, current = map(_effective, raw)
     changes: list[Change] = []
     _diff(saved, current, "", changes)
-    old_steps = (saved.get("train") or {}).get("steps")
+    # optim.schedule_steps left null on both sides: the user changed train.steps.
+    follows_steps = all((t.get("optim") or {}).get("schedule_steps") is None for t in raw)
     for c in changes:
         if c.path == "optim.schedule_steps":
             c.via = ("train.steps",)
-            c.note = (
-                f"the schedule's length; set optim.schedule_steps={c.old} to keep the "
-                "schedule and continue at its final lr"
-                if old_steps == c.old
-                else "the schedule's length"
-            )
+            if follows_steps:
+                c.edited = "train.steps"
+                c.note = (
+                    f"the LR schedule's length: {c.new} steps unless optim.schedule_steps={c.old}"
+                )
+            else:
+                c.note = "the LR schedule's length"
         elif c.path == "data.eval_fraction":
             c.via = ("eval.every", "data.eval_split")
             c.note = "documents held out of training for evaluation"
@@ -562,14 +613,33 @@ def check_resume(
     math = [c for c in config_changes(saved_yaml, current_yaml) if not c.free]
     refused = [c for c in math if not c.accepted_by(accept)]
     if refused:
-        names = ",".join(c.path for c in refused)
+        import yaml
+
+        run = (yaml.safe_load(current_yaml) or {}).get("run") or {}
+        where = f"{run.get('root', 'runs')}/{run.get('name', '')}"
+        names = ",".join(dict.fromkeys(c.name for c in refused))
         raise ConfigError(
-            f"resume: this config changes the training against the checkpoint's (step {step}): "
-            f"{'; '.join(map(str, refused))}; resume with the checkpoint's values, accept "
-            f"the change on purpose with resume.accept=[{names}], or start a separate run "
-            "with another run.name"
+            f"resume: {where} has a checkpoint (step {step}) of another config: "
+            f"{'; '.join(map(str, refused))}; to start a separate run, add run.name=NAME; to "
+            f"continue this run with the change on purpose, add resume.accept=[{names}]; or "
+            "resume with the checkpoint's values"
         )
     return math
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Valid settings that are likely not what the user meant: one line each, printed at
+    start-up (nothing is refused)."""
+    out = []
+    o, length = cfg.optim, cfg.optim.schedule_steps or cfg.train.steps
+    if o.warmup_steps > length:
+        source = "optim.schedule_steps" if o.schedule_steps else "train.steps"
+        out.append(
+            f"warning: optim.warmup_steps={o.warmup_steps} exceeds the LR schedule's {length} "
+            f"steps ({source}): the lr never reaches optim.lr={o.lr}; lower "
+            "optim.warmup_steps to train at the full lr"
+        )
+    return out
 
 
 def check_recipe_at_resume(

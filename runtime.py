@@ -96,7 +96,7 @@ def apply_determinism(on: bool) -> str | None:
     line = (
         "deterministic: on (" + ", ".join(set_here) + ", torch.use_deterministic_algorithms, "
         "cudnn.deterministic, cudnn.benchmark=False): runs and resumes repeat bit for bit on the "
-        "same GPUs and world size, at some cost in speed and memory (README, Determinism)"
+        "same GPUs and world size, at some cost in speed and memory (docs/RUNS.md, Determinism)"
     )
     if was_initialized:
         line += (
@@ -173,6 +173,26 @@ class StopSignal:
             who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
             who += f" of {world_size}"
         return f"{self.name} (received by {who})"
+
+
+def report_error(line: str) -> None:
+    """A run that cannot go on, in one line: printed by rank 0 (every rank usually finds the
+    same error) as `error: <line>`, and, under torchrun, written to this worker's error file,
+    so the launcher's failure summary (which follows the worker's output) names this line as
+    the failure's cause instead of pointing at how to get a traceback."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        import json
+        import time
+
+        info = {"py_callstack": f"error: {line}", "timestamp": str(int(time.time()))}
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": f"error: {line}", "extraInfo": info}}, f)
+        except OSError:
+            pass
 
 
 def exit_status(statuses: list[int]) -> int:

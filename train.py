@@ -24,30 +24,42 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import compat
 import sweep
-from checkpoint import CheckpointManager, TrainState, training_state
+from checkpoint import CheckpointManager, TrainState, store, training_state
 from checkpoint.hf import load_hf_weights, model_source
-from checkpoint.manager import close_open
-from checkpoint.preflight import prepare_run_dir
+from checkpoint.manager import (
+    checkpoint_root,
+    close_open,
+    model_shape_mismatches,
+    resume_step,
+    resumes,
+)
+from checkpoint.preflight import estimate_checkpoint_bytes, prepare_run_dir
 from config import (
     Config,
     SegmentConfig,
     check_experiment_overrides,
+    check_recipe_at_resume,
+    check_resume,
+    config_changes,
+    config_warnings,
     register_configs,
     validate,
     validate_batch,
 )
 from data import build_data, build_tokenizer
-from data.sources import corpus_fingerprint
+from data.sources import check_source, corpus_fingerprint
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
 from model import build_model, init_weights, resolve_impl, te_available
 from model.flops import flops_per_token, peak_tflops
 from model.memory import estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
+from overrides import check_overrides
 from parallel import ParallelDims, parallelize
 from parallel.cp import check_cp, token_align
 from profiling import StepProfiler
@@ -62,6 +74,7 @@ from runtime import (
     exit_status,
     peak_memory_gb,
     pick_device,
+    report_error,
     to_device,
 )
 from steps import BatchLayout, evaluate, train_step
@@ -72,6 +85,7 @@ register_configs()
 def check_config(cfg: Config, world_size: int, device: torch.device):
     """Everything that can be wrong with the config, checked before any expensive work."""
     validate(cfg)
+    check_source(cfg.data)  # data=hf: the local path exists (the tokenizer comes next)
     dims = ParallelDims(cfg.parallel, world_size)
     dims.validate_model(cfg.model)
     dims.validate_seq_len(cfg.data.seq_len)
@@ -116,9 +130,12 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
         activation_checkpointing=p.activation_checkpointing,
         quantized_weights=cfg.recipe.quantized_init,
     )
-    have = torch.cuda.get_device_properties(device).total_memory / 2**30
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
-    line = f"memory: about {est['total']:.1f} GiB per GPU ({parts}) of {have:.0f} GiB"
+    line = f"memory: about {est['total']:.1f} GiB per GPU ({parts})"
+    if device is None or torch.device(device).type != "cuda":
+        return line + " (estimate for a GPU; no GPU here)"
+    have = torch.cuda.get_device_properties(device).total_memory / 2**30
+    line += f" of {have:.0f} GiB"
     if est["total"] > have:
         line += (
             "; likely more than the GPU has: raise parallel.cp or parallel.dp_shard, lower "
@@ -217,6 +234,192 @@ def build_parallel_model(
     return model, amax_group
 
 
+def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig) -> str:
+    """What a start of this config would do about the run's checkpoints, decided from the
+    files alone (nothing is moved, locked or loaded): one line, or a ConfigError with the line
+    the real start would refuse with. The checkpoint's files are not hashed here."""
+    spec = str(cfg.checkpoint.resume)
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    if spec == "none":
+        moved = " (its checkpoints would be moved aside)" if store.newest_step(root) else ""
+        return f"resume: checkpoint.resume=none: starts fresh at step 0 in {run_dir}{moved}"
+    found = (
+        store.newest_step(root)
+        if spec == "auto"
+        else store.find_checkpoint(Path(spec).expanduser())
+    )
+    if found is None:
+        if spec != "auto":
+            raise ConfigError(
+                f"checkpoint.resume={spec}: no checkpoint there (expected a step_XXXXXXX "
+                "directory or a directory holding them); fix the path, or use "
+                "checkpoint.resume=auto|none"
+            )
+        state = "exists" if run_dir.is_dir() else "would be created"
+        return f"resume: no checkpoint in {root}; starts fresh at step 0 ({run_dir} {state})"
+    config = found.path / store.CONFIG_FILE
+    saved = config.read_text() if config.is_file() else None
+    if mismatches := model_shape_mismatches(saved, segment.yaml):
+        raise ConfigError(
+            f"{'; '.join(mismatches)} (checkpoint {found.path}); resume with the checkpoint's "
+            "model settings, or start a separate run with run.name=NAME"
+        )
+    accepted = check_resume(saved, segment.yaml, segment.accept, found.step)
+    check_recipe_at_resume(saved, segment.yaml, segment.accept, found.step)
+    line = f"resume: from {found.path} (step {found.step})"
+    if accepted:
+        line += f" with accepted changes: {'; '.join(map(str, accepted))}"
+    if found.step >= cfg.train.steps:
+        line += f"; nothing to train: train.steps={cfg.train.steps}"
+    return line
+
+
+def dry_run(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir: Path, tokenizer, say):
+    """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
+    returns the exit status (0). Nothing is written and no data is read."""
+    rank = int(os.environ.get("RANK", 0))
+    segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
+    plan = [None, None]
+    if rank == 0:  # the filesystem read once; every rank raises the same refusal
+        try:
+            plan[0] = resume_plan(cfg, run_dir, segment)
+        except ConfigError as e:
+            plan[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(plan, src=0)
+    if plan[1]:
+        raise ConfigError(plan[1])
+    dims.build_mesh(device.type)
+    compat.apply_all()
+    recipe = build_recipe(rcfg, cfg.model.n_layers)
+    te_kwargs = {}
+    if impl == "te":
+        te_kwargs = dict(
+            recipe=recipe,
+            tp_group=dims.tp_group,
+            tp_size=dims.tp,
+            sequence_parallel=dims.sequence_parallel,
+        )
+    with torch.device("meta"), recipe.quantized_init_context():
+        model = build_model(cfg.model, impl, **te_kwargs)
+    model = parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
+    n_params = sum(p.numel() for p in model.parameters())
+    ckpt_bytes = estimate_checkpoint_bytes(cfg.model, cfg.recipe.quantized_init)
+    c = cfg.checkpoint
+    saves = f"keeps the last {c.keep_last}" if c.mode != "none" else "checkpoint=none: none saved"
+    say("dry run: the config is valid; nothing is trained, read or written", flush=True)
+    say(f"mesh: {dims} on {device.type}, grad_accum={grad_accum}", flush=True)
+    say(
+        f"model: {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M recipe={label(rcfg)} "
+        f"(built on the meta device and parallelized: layout={cfg.parallel.name})",
+        flush=True,
+    )
+    say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
+    say(
+        f"checkpoint: about {ckpt_bytes / 2**30:.2f} GiB each on disk ({saves}) in "
+        f"{checkpoint_root(c, run_dir)}",
+        flush=True,
+    )
+    say(
+        f"data: data={cfg.data.name} seq_len={cfg.data.seq_len} global batch "
+        f"{cfg.train.global_batch_size} sequences, tokenizer vocabulary {tokenizer.vocab_size}",
+        flush=True,
+    )
+    say(plan[0], flush=True)
+    return 0
+
+
+class _EvalOnlyCheck:
+    """on_load of an evaluation-only load: the model's shape is checked by the checkpoint
+    manager and the precision plan loads across recipes; the changes that alter what the
+    evaluation computes are kept to be said (not refused: evaluating a checkpoint under another
+    setting is a legitimate question)."""
+
+    def __init__(self, current_yaml: str):
+        self.current, self.changes, self.saved = current_yaml, [], None
+
+    def __call__(self, loaded) -> None:
+        self.saved = loaded.saved_config_yaml
+        if self.saved:
+            skip = ("optim.", "train.", "data.eval_fraction", "recipe.switch")
+            self.changes = [
+                c
+                for c in config_changes(self.saved, self.current)
+                if not c.free and not c.path.startswith(skip)
+            ]
+
+
+def eval_only(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir, tokenizer, say) -> int:
+    """`train.eval_only=true`: load the run's newest checkpoint (or checkpoint.resume=PATH)
+    into the model, print the held-out loss over eval.batches batches, save nothing."""
+    import dataclasses
+
+    if not resumes(cfg.checkpoint, run_dir):
+        raise ConfigError(
+            f"train.eval_only: no checkpoint in {checkpoint_root(cfg.checkpoint, run_dir)}; "
+            "train this run first, or give one with checkpoint.resume=PATH"
+        )
+    dims.build_mesh(device.type)
+    compat.apply_all()
+    recipe, model, optimizer, scheduler = build_training(cfg, rcfg, impl, dims, device)
+    loader, eval_batches = build_data(
+        cfg.data,
+        tokenizer,
+        global_batch_size=cfg.train.global_batch_size,
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp_size,
+        eval_batches=cfg.eval.batches,
+        log=lambda line: say(line, flush=True),
+    )
+    check = _EvalOnlyCheck(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    train_state = TrainState(on_load=check)
+    state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
+    for key in ("loader", "rng"):  # where training would go on: not needed to evaluate
+        state.pop(key)
+    # mode none: the manager only reads (no partial checkpoint cleaned, nothing moved aside).
+    read_only = dataclasses.replace(cfg.checkpoint, mode="none")
+    ckpt = CheckpointManager(read_only, run_dir, rank=dims_rank(), world_size=dims.world_size)
+    step = ckpt.resume(state)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    layout = BatchLayout(
+        loader.boundaries, cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group
+    )
+    model.eval()
+    val_loss = evaluate(
+        model,
+        eval_batches,
+        micro_batches=grad_accum,
+        autocast=autocast,
+        dp_group=dims.loss_group,
+        layout=layout,
+    )
+    ckpt.close()
+    if check.changes:
+        say(
+            f"note: evaluated with changes against the checkpoint's config: "
+            f"{'; '.join(map(str, check.changes))}",
+            flush=True,
+        )
+    saved = yaml.safe_load(check.saved or "") or {}
+    if check.saved and not (saved.get("eval") or {}).get("every") and not cfg.data.eval_split:
+        say(
+            "note: the run trained with eval.every=0, so these held-out documents were also "
+            "in its training data (train with eval.every>0 to hold them out)",
+            flush=True,
+        )
+    n = cfg.eval.batches * cfg.train.global_batch_size
+    say(
+        f"eval: step {step} val_loss {float(val_loss):.4f} on {cfg.eval.batches} held-out "
+        f"batches ({n} sequences of {cfg.data.seq_len} tokens) from {ckpt.root}",
+        flush=True,
+    )
+    return 0
+
+
+def dims_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def run(cfg: Config) -> int:
     # Installed first so a stop signal during setup is not fatal; without checkpoints a stop
     # signal keeps its default meaning (terminate).
@@ -252,6 +455,8 @@ def run(cfg: Config) -> int:
 
     # 3. Config check: one clear line for any bad input, before GPU memory or data.
     dims, grad_accum, impl = check_config(cfg, world_size, device)
+    for line in config_warnings(cfg):
+        say(line, flush=True)
     if device.type == "cuda":
         say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
     tokenizer = build_tokenizer(cfg.data)
@@ -260,6 +465,15 @@ def run(cfg: Config) -> int:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
+    # Dry run / evaluation only: from here on they take their own path (no run directory
+    # written, no training).
+    if cfg.train.dry_run or cfg.train.eval_only:
+        # The recipe of the step after the newest checkpoint (recipe.switch).
+        switches = resolve_switches(cfg.recipe, schedule_steps(cfg))
+        first_step = 1 + (resume_step(cfg.checkpoint, run_dir, world_size) if switches else 0)
+        rcfg = recipe_for_step(cfg.recipe, first_step, schedule_steps(cfg))
+        path = dry_run if cfg.train.dry_run else eval_only
+        return path(cfg, dims, grad_accum, impl, rcfg, device, run_dir, tokenizer, say)
     # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
     # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
     run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
@@ -354,10 +568,10 @@ def run(cfg: Config) -> int:
         logger.info("note: slow on CPU (model=small: ~1 min/step on 2 cores; model=tiny: 0.25 s)")
     if start_step >= cfg.train.steps:
         logger.info(
-            f"nothing to do: the checkpoint is at step {start_step} and train.steps="
-            f"{cfg.train.steps}; raise train.steps to continue (README, Resume: keep the LR "
-            "schedule with optim.schedule_steps, or stretch it with resume.accept=[train.steps]),"
-            " or pass checkpoint.resume=none to start over"
+            f"nothing to do: {run_dir} is at step {start_step} and train.steps="
+            f"{cfg.train.steps}; to train further, extend this run with train.steps=N "
+            "resume.accept=[train.steps] (N > "
+            f"{start_step}), or start a separate run with run.name=NAME"
         )
 
     # 11. Train. The compute dtype is bf16 on GPU (TE's quantized GEMMs come from the recipe,
@@ -500,8 +714,7 @@ def main(dcfg: DictConfig) -> int:
         cfg: Config = OmegaConf.to_object(dcfg)
         status = run(cfg)
     except ConfigError as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e))
         status = 2
     except OSError as e:
         if e.errno not in _FILESYSTEM_ERRORS:
@@ -523,13 +736,13 @@ def main(dcfg: DictConfig) -> int:
 def cli(argv: list[str]) -> int:
     """`python train.py [hydra flags] [overrides]`: checks `experiment=` against the presets
     before Hydra composes (the group is optional, so Hydra would run without a misspelled
-    preset), runs the job(s) and returns the exit status (a multirun fails if any job did)."""
+    preset) and every override (overrides.py: one line where Hydra prints many), runs the job(s) and returns the exit status (a multirun fails if any job did)."""
     rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
         check_experiment_overrides(sweep.override_args(argv))
+        check_overrides(argv)  # every other wrong override, one line each (overrides.py)
     except ConfigError as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e))
         return 2
     sys.argv = [sys.argv[0], *sweep.cli_args(argv)]
     try:
@@ -543,4 +756,6 @@ def cli(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if {"--help", "-h"} & set(sys.argv[1:]):  # the field reference, not Hydra's (confhelp.py)
+        sys.exit(__import__("confhelp").main(sys.argv[1:]))
     sys.exit(cli(sys.argv[1:]))

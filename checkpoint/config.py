@@ -29,6 +29,7 @@ class CheckpointConfig:
     #: step_XXXXXXX directory, or a directory holding them: its newest one). A damaged
     #: checkpoint is never loaded and never skipped: resume stops and names it.
     resume: str = "auto"
+    #: Save a checkpoint at the last step (also what tools/convert_hf.py exports).
     save_at_end: bool = True
     #: Hash every file while it is written (xxh3-64 with the xxhash package, else CRC32),
     #: record the hashes in the manifest and check them on resume, with the bytes the load

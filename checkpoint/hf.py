@@ -427,6 +427,51 @@ def export_checkpoint(
     return path
 
 
+def checkpoint_model_weights(checkpoint: str | Path) -> tuple[ModelConfig, dict, Path, dict]:
+    """The model of a committed checkpoint, read in this one process as full tensors (no
+    process group, any layout it was saved from): (its ModelConfig, its whole saved config,
+    the step folder, {parameter name: tensor}). `checkpoint`: a step folder, a folder holding
+    them, or a run directory (its checkpoints/). Quantized-weight checkpoints give the fp32
+    master weights. Raises ConfigError (one line)."""
+    import yaml
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    spec = Path(checkpoint).expanduser()
+    found = store.find_checkpoint(spec)
+    if found is None and (spec / "checkpoints").is_dir():
+        found = store.find_checkpoint(spec / "checkpoints")
+    if found is None:
+        raise ConfigError(
+            f"{checkpoint}: no committed checkpoint there; pass a run directory (runs/<name>), "
+            "a step folder such as runs/<name>/checkpoints/step_0000100, or an export folder"
+        )
+    path = found.path
+    problem = store.verify(path, checksum=True)
+    if problem:
+        raise ConfigError(f"checkpoint {path} is damaged ({problem}); use an earlier one")
+    config_file = path / store.CONFIG_FILE
+    if not config_file.is_file():
+        raise ConfigError(f"checkpoint {path} has no {store.CONFIG_FILE}; it names the model shape")
+    saved = yaml.safe_load(config_file.read_text()) or {}
+    cfg = _model_config(saved, path)
+    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    request = {}
+    for name, shape in our_shapes(cfg).items():
+        master = f"optimizer.state.{name}.master_param"
+        key = master if master in md else f"model.{name}"
+        if not isinstance(md.get(key), TensorStorageMetadata):
+            raise ConfigError(
+                f"checkpoint {path} has no tensor {key!r}; it does not match its config.yaml"
+            )
+        check_shape(md[key].size, shape, key)
+        request[name] = (key, torch.empty(md[key].size, dtype=md[key].properties.dtype))
+    flat = {key: t for key, t in request.values()}
+    dcp_load(flat, checkpoint_id=str(path), no_dist=True)
+    return cfg, saved, path, {name: flat[key] for name, (key, _) in request.items()}
+
+
 def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
     """Step 2 of train.run: the model config to build, and the Hugging Face folder to load its
     weights from (None: the seeded init).

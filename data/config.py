@@ -13,10 +13,14 @@ class DataConfig:
     name: str = "embedded"
     #: hf: a hub dataset name, or local files/dir (jsonl, json, parquet, txt; globs allowed).
     path: str | None = None
-    #: hf: dataset config name (e.g. "sample-10BT") and split.
+    #: hf: dataset config name (e.g. "sample-10BT").
     subset: str | None = None
+    #: hf: the split to train on.
     split: str = "train"
+    #: hf: the column that holds each document's text.
     text_field: str = "text"
+    #: hf: read the dataset as a stream (no download or token cache first; shuffled within
+    #: data.shuffle_buffer documents).
     streaming: bool = False
     #: "byte" (built-in byte-level tokenizer) or an AutoTokenizer name/local path.
     tokenizer: str = "byte"
@@ -31,6 +35,7 @@ class DataConfig:
     #: synthetic: mean document length in tokens (BOS and EOS included), and how lengths are
     #: drawn: fixed (every document doc_len tokens) | exponential (geometric, mean doc_len).
     doc_len: int = 2048
+    #: synthetic: fixed | exponential (see doc_len).
     doc_len_dist: str = "fixed"
     #: embedded: cap on corpus size in bytes.
     max_bytes: int = 8_000_000

@@ -186,8 +186,18 @@ def resolve_local_files(path: str) -> list[str] | None:
             )
         return [expanded]
     if _looks_local(path):
-        raise ConfigError(f"data.path={path!r} does not exist; fix the path")
+        raise ConfigError(
+            f"data.path={path!r} does not exist (relative paths start at {os.getcwd()}); give "
+            f"an existing file, directory or glob of {supported} files, or a hub dataset name"
+        )
     return None
+
+
+def check_source(cfg: DataConfig) -> None:
+    """The data source's own input, before the tokenizer and anything built (one line on
+    failure): with data=hf, a local data.path must exist and hold files of a known type."""
+    if cfg.name == "hf" and cfg.path:
+        resolve_local_files(cfg.path)
 
 
 def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:

@@ -7,6 +7,7 @@ Both expose the same small surface (`vocab_size`, `bos_id`, `eos_id`, `encode`, 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 
@@ -48,10 +49,11 @@ class HFTokenizer:
     """
 
     def __init__(self, name_or_path: str):
+        source, local_only = locate_tokenizer(name_or_path)
         try:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(name_or_path)
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         except Exception as e:  # OSError, ValueError, HFValidationError, ...: all mean "unusable"
             raise ConfigError(
                 f"data.tokenizer={name_or_path!r} cannot be loaded ({one_line(e)}); set "
@@ -96,6 +98,88 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+_TRUE = ("1", "ON", "YES", "TRUE")
+_LOCAL_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+
+
+def hub_offline() -> bool:
+    """Downloads from the Hugging Face hub are switched off (HF_HUB_OFFLINE, or
+    TRANSFORMERS_OFFLINE, which transformers reads as the same)."""
+    return any(
+        os.environ.get(v, "").upper() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _in_cache(repo: str) -> str | None:
+    """The local hub cache's snapshot directory of `repo` when it holds its tokenizer files,
+    else None (no network). Loaded as a directory: a tokenizer fetched alone (without the
+    model's config.json) loads from it, where its hub name would ask the hub for the rest."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        for name in ("tokenizer_config.json", "tokenizer.json"):
+            found = try_to_load_from_cache(repo, name)
+            if isinstance(found, str):
+                return os.path.dirname(found)
+    except Exception:  # not a valid repo id: the load reports it
+        pass
+    return None
+
+
+def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+    """Why the hub's host cannot be reached (one TCP connection, `timeout` seconds), or None.
+    With a proxy configured the proxy decides: not probed."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
+
+
+def locate_tokenizer(spec: str) -> tuple[str, bool]:
+    """Where `data.tokenizer` loads from, decided without a download: (a local directory,
+    True), (the cache's snapshot of a hub name found there, True: loaded without any network
+    call), or (a hub name, False) once the hub is known to be reachable. Raises one line otherwise: a
+    missing local path, or a hub name that is not cached while offline or unreachable (rather
+    than a minute of retries)."""
+    expanded = os.path.expanduser(spec)
+    if os.path.isdir(expanded):
+        return expanded, True
+    fixes = (
+        "give a local directory with the tokenizer files (data.tokenizer=PATH), or "
+        "data.tokenizer=byte"
+    )
+    if spec.startswith(_LOCAL_PREFIXES) or os.path.isfile(expanded):
+        raise ConfigError(
+            f"data.tokenizer={spec!r} is not a directory (relative paths start at "
+            f"{os.getcwd()}); {fixes}, or a hub name"
+        )
+    if (snapshot := _in_cache(spec)) is not None:
+        return snapshot, True
+    from huggingface_hub import constants
+
+    get = f"download it where there is network (hf download {spec} --include 'tokenizer*')"
+    if hub_offline():
+        raise ConfigError(
+            f"data.tokenizer={spec!r} is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and downloads are off (HF_HUB_OFFLINE=1); {get}, or "
+            f"{fixes}"
+        )
+    if (why := _unreachable(constants.ENDPOINT)) is not None:
+        raise ConfigError(
+            f"data.tokenizer={spec!r} is not in the local Hugging Face cache and "
+            f"{constants.ENDPOINT} cannot be reached ({why}); {get}, or {fixes}"
+        )
+    return spec, False
 
 
 def build_tokenizer(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:

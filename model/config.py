@@ -9,31 +9,46 @@ from dataclasses import dataclass, field
 class RopeScalingConfig:
     """Llama-3 RoPE frequency scaling (HF `rope_type: llama3`)."""
 
+    #: Divisor of the low RoPE frequencies (long wavelengths).
     factor: float = 8.0
+    #: Wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully.
     low_freq_factor: float = 1.0
+    #: Wavelengths below original_max_position_embeddings / high_freq_factor are not scaled.
     high_freq_factor: float = 4.0
+    #: Context length the frequencies were trained for before scaling (tokens).
     original_max_position_embeddings: int = 8192
 
 
 @dataclass
 class ModelConfig:
+    #: Name of the shape (conf/model/<name>.yaml); part of the default run.name.
     name: str = "tiny"
     #: "auto" picks TE when CUDA and transformer_engine are importable, else the reference.
     impl: str = "auto"
+    #: Hidden size (width of the residual stream).
     dim: int = 128
+    #: Transformer blocks.
     n_layers: int = 4
+    #: Attention query heads; dim must be divisible by it (head_dim = dim / n_heads, even).
     n_heads: int = 4
+    #: Key/value heads (grouped-query attention); must divide n_heads.
     n_kv_heads: int = 2
+    #: Hidden size of the SwiGLU MLP.
     ffn_dim: int = 384
     #: Tokenizer vocabulary. The embedding and output head are padded up to
     #: a multiple of `pad_vocab_multiple` (FP8 GEMMs and TP need divisible shapes).
     vocab_size: int = 258
+    #: Round the embedding and head rows up to a multiple of this (the padding rows are zero).
     pad_vocab_multiple: int = 128
+    #: Longest sequence the model takes (RoPE table length); data.seq_len must not exceed it.
     max_seq_len: int = 2048
+    #: RMSNorm epsilon.
     norm_eps: float = 1e-5
+    #: RoPE base frequency.
     rope_theta: float = 500000.0
-    #: None disables frequency scaling (plain RoPE).
+    #: Llama 3 RoPE frequency scaling (its fields below); null: plain RoPE.
     rope_scaling: RopeScalingConfig | None = field(default_factory=RopeScalingConfig)
+    #: true: the output head reuses the embedding weight (Llama 3.2 1B); false: its own weight.
     tie_embeddings: bool = False
     #: Std of the normal init of linear and embedding weights; output projections
     #: (attention proj, fc2) are scaled by 1/sqrt(2 * n_layers).

@@ -272,6 +272,22 @@ def _rope_scaling_dict(cfg: ModelConfig) -> dict | None:
     }
 
 
+def hf_max_positions(cfg: ModelConfig) -> int:
+    """config.json's max_position_embeddings: the model's max_seq_len, except where Llama-3
+    RoPE scaling is on and max_seq_len does not exceed the scaling's
+    original_max_position_embeddings (the tiny and small presets keep Llama 3's scaling on a
+    short context). transformers requires original < max_position_embeddings for rope_type
+    llama3 (else it warns on every load), since the scaling stretches an original context by
+    `factor`; so that stretched context, original x factor, is written. The frequencies, in
+    transformers as here, depend on the scaling fields only, not on this number."""
+    s = cfg.rope_scaling
+    if s is None or cfg.max_seq_len > s.original_max_position_embeddings:
+        return cfg.max_seq_len
+    return max(
+        int(s.original_max_position_embeddings * s.factor), s.original_max_position_embeddings + 1
+    )
+
+
 def hf_config(
     cfg: ModelConfig,
     dtype: torch.dtype | None = None,
@@ -290,7 +306,7 @@ def hf_config(
         num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
         hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
+        max_position_embeddings=hf_max_positions(cfg),
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
         # rope_theta + rope_scaling are read by transformers 4.x and mapped to

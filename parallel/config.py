@@ -9,10 +9,13 @@ from dataclasses import dataclass
 class ParallelConfig:
     #: ddp | fsdp | hsdp | tp | fsdp_tp | hsdp_tp
     name: str = "fsdp"
-    #: Degrees (with cp below). Their product must equal the world size; dp_shard=-1 takes
-    #: what is left.
+    #: HSDP/DDP replication degree (replicas of the sharded model, e.g. one per node). The
+    #: product dp_replicate x dp_shard x cp x tp must equal the world size; -1: what is left.
     dp_replicate: int = 1
+    #: FSDP sharding degree (parameters sharded over dp_shard x cp ranks); -1: what is left of
+    #: the world size.
     dp_shard: int = -1
+    #: Tensor-parallel degree (within a node); must divide n_heads, n_kv_heads and ffn_dim.
     tp: int = 1
     #: Context parallelism: each sequence is split over this many ranks (load-balanced for
     #: causal attention: 2 x cp chunks, rank r holds chunks r and 2cp-1-r; parallel/cp.py).
@@ -27,8 +30,10 @@ class ParallelConfig:
     cp_a2a_size: int | None = None
     #: FSDP2: free the all-gathered weights after forward (re-gather in backward).
     reshard_after_forward: bool = True
-    #: FSDP2 mixed precision: dtype of all-gathered params and of gradient reduction.
+    #: FSDP2 mixed precision: dtype of the all-gathered params (bf16 | fp16 | fp32).
     param_dtype: str = "bf16"
+    #: FSDP2 mixed precision: dtype of the gradient reduction (fp32 | bf16 | fp16; bf16 is
+    #: faster and changes the numerics).
     reduce_dtype: str = "fp32"
     #: TE tensor parallel: sequence-parallel norms/activations between the TP regions.
     sequence_parallel: bool = True

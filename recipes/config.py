@@ -33,18 +33,27 @@ class RecipeConfig:
     quantized_init: bool = False
     #: FP8 format: HYBRID (E4M3 forward, E5M2 backward) or E4M3.
     fp8_format: str = "HYBRID"
-    #: DelayedScaling: amax history length, reduction over history ("max" | "most_recent"), margin.
+    #: fp8_delayed: steps of amax history a scale is computed from (>= 1).
     amax_history_len: int = 1024
+    #: fp8_delayed: reduction over the amax history: max | most_recent.
     amax_compute_algo: str = "max"
+    #: fp8_delayed: scales are divided by 2^margin, headroom against growing amax (>= 0).
     margin: int = 0
-    #: Float8BlockScaling: power-of-2 scales and block dims (1 = 1x128 tiles, 2 = 128x128 blocks).
+    #: fp8_block: scales rounded to powers of 2.
     power_2_scale: bool = True
+    #: fp8_block: activation scaling blocks: 1 (1x128 tiles) | 2 (128x128 blocks).
     x_block_scaling_dim: int = 1
+    #: fp8_block: weight scaling blocks: 1 (1x128 tiles) | 2 (128x128 blocks; needed with
+    #: quantized_init on several ranks).
     w_block_scaling_dim: int = 2
+    #: fp8_block: gradient scaling blocks: 1 (1x128 tiles) | 2 (128x128 blocks).
     grad_block_scaling_dim: int = 1
-    #: NVFP4BlockScaling switches.
+    #: nvfp4: turn off the random Hadamard transform applied before quantizing.
     disable_rht: bool = False
+    #: nvfp4: turn off stochastic rounding of gradients.
     disable_stochastic_rounding: bool = False
+    #: nvfp4: quantize weights in 1x16 blocks instead of 16x16 (2-D); must stay false with
+    #: quantized_init on several ranks.
     disable_2d_quantization: bool = False
     #: Transformer block indices kept in bf16 (negative counts from the end, e.g. [0, -1]).
     #: The output head is always kept in high precision.

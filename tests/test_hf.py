@@ -6,6 +6,8 @@ Tiny config with GQA, Llama-3 RoPE scaling that changes frequencies at the teste
 and a vocabulary that needs padding; both tied and untied embeddings.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -414,3 +416,38 @@ def test_unsupported_init_from_names_the_field():
     d["hidden_act"] = "gelu"
     with pytest.raises(ConfigError, match=r"^model.init_from=x: HF config: hidden_act='gelu'"):
         model_config_for_hf(ModelConfig(init_from="x", shape_from_hf=True), d)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "llama3_1b"])
+def test_exported_config_is_consistent_for_transformers(preset):
+    """The presets' config.json loads without transformers' rope warning (tiny and small keep
+    Llama 3's scaling on a context shorter than its original_max_position_embeddings), and
+    transformers computes the same RoPE frequencies from it as ours."""
+    import logging
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from config import compose_config
+
+    cfg = compose_config([f"model={preset}"]).model
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        exported = hf_config(cfg).to_dict()  # what export writes (config.json) ...
+        loaded = LlamaConfig.from_dict(exported)  # ... and what loading it reads
+    finally:
+        root.removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    params = loaded.rope_parameters
+    assert params["original_max_position_embeddings"] < loaded.max_position_embeddings
+    inv, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](loaded, "cpu")
+    assert torch.allclose(inv.float(), inv_frequencies(cfg).float(), rtol=1e-6, atol=0)
+    # Read back: every field the same but max_seq_len, which becomes the stretched context
+    # where it had to (a longer limit: every sequence the model took, it still takes).
+    back = model_config_from_hf(exported, name=cfg.name)
+    assert back == replace(cfg, max_seq_len=back.max_seq_len, init_from=None)
+    assert back.max_seq_len >= cfg.max_seq_len

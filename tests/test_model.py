@@ -296,7 +296,7 @@ def test_forward_shape_and_dtype_under_autocast():
     assert (low.float() - out).abs().max().item() < 0.05
 
 
-#: Peak GiB measured on H200s at seq 8192 (README step tables): llama3_1b, micro batch 4, one
+#: Peak GiB measured on H200s at seq 8192 (docs/PERFORMANCE.md step tables): llama3_1b, micro batch 4, one
 #: GPU; llama3_8b, micro batch 1, FSDP over two.
 MEASURED_PEAK_GIB = {
     ("llama3_1b", 1, 4, "none"): 56.1,

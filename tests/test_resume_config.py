@@ -37,7 +37,8 @@ def resolved(*overrides: str) -> str:
 
 
 def paths(changes):
-    return {c.path: (c.old, c.new) for c in changes}
+    """Each change by the name messages give it (the field the user edited)."""
+    return {c.name: (c.old, c.new) for c in changes}
 
 
 def test_harmless_fields_resume_without_a_word():
@@ -75,7 +76,8 @@ def test_harmless_fields_resume_without_a_word():
         ("model.rope_theta=10000.0", "model.rope_theta", 500000.0, 10000.0),
         ("recipe=fp8_cs", "recipe.name", "bf16", "fp8_cs"),
         ("parallel.param_dtype=fp32", "parallel.param_dtype", "bf16", "fp32"),
-        ("train.steps=600", "optim.schedule_steps", 300, 600),
+        ("train.steps=600", "train.steps", 300, 600),  # compared as the schedule's length
+        ("optim.schedule_steps=600", "optim.schedule_steps", 300, 600),
         ("eval.every=50", "data.eval_fraction", 0.0, 0.01),
     ],
 )
@@ -86,16 +88,29 @@ def test_fields_that_change_the_training_refuse(override, field, old, new):
     msg = str(e.value)
     assert "\n" not in msg and f"{field} {old} -> {new}" in msg, msg
     assert f"resume.accept=[{field}]" in msg and "(step 10)" in msg
+    # The first way out is a separate run; the checkpoint's run is named.
+    assert msg.index("run.name=NAME") < msg.index("resume.accept="), msg
+    name = yaml.safe_load(current)["run"]["name"]  # tiny-bf16-fsdp, or with recipe=...
+    assert msg.startswith(f"resume: runs/{name} has a checkpoint (step 10)"), msg
     accepted = check_resume(saved, current, [field], step=10)
     assert paths(accepted)[field] == (old, new)
 
 
 def test_extending_train_steps():
     saved = resolved("train.steps=300")
-    # Stretch the schedule on purpose (accepted by the field the user edited, too) ...
-    with pytest.raises(ConfigError, match=r"set optim.schedule_steps=300 to keep the schedule"):
+    # Extend the run: the refusal names train.steps (the field edited), never the derived
+    # optim.schedule_steps, and the one way to extend: resume.accept=[train.steps].
+    with pytest.raises(ConfigError) as e:
         check_resume(saved, resolved("train.steps=600"), [], step=300)
+    msg = str(e.value)
+    assert "train.steps 300 -> 600 (the LR schedule's length" in msg, msg
+    assert "resume.accept=[train.steps];" in msg and "accept=[optim" not in msg, msg
+    assert "unless optim.schedule_steps=300" in msg
     assert check_resume(saved, resolved("train.steps=600"), ["train.steps"], step=300)
+    # Accepting the derived name works too (older commands), and the change is still named
+    # after train.steps.
+    (c,) = check_resume(saved, resolved("train.steps=600"), ["optim.schedule_steps"], step=300)
+    assert str(c).startswith("train.steps 300 -> 600")
     # ... or keep it: past schedule_steps the lr stays at its final value.
     current = resolved("train.steps=600", "optim.schedule_steps=300")
     assert check_resume(saved, current, [], step=300) == []

@@ -412,3 +412,84 @@ def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nod
         dims.validate_model(cfg.model)
         dims.validate_seq_len(seq_len)
         validate_batch(cfg, dims.dp_size)
+
+
+def _outside_slurm(tmp_path, **extra) -> dict:
+    """A shell with no Slurm variable and no Slurm command (PATH: the interpreter's own)."""
+    env = {
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "PYTHON": sys.executable,
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    assert not any(shutil.which(c, path=env["PATH"]) for c in ("srun", "scontrol", "sbatch"))
+    return {**env, **extra}
+
+
+def test_dry_run_prints_the_launch_outside_slurm(tmp_path):
+    """DRY_RUN=1 needs no Slurm variable: it prints the resolved nodes/GPUs and the exact srun +
+    torchrun command of the job, and writes nothing."""
+    root = tmp_path / "runs"
+    overrides = ["model=tiny", "train.steps=5", f"run.root={root}"]
+    env = _outside_slurm(tmp_path, DRY_RUN="1", NODES="2", GPUS_PER_NODE="4", RDZV_PORT="29511")
+    r = subprocess.run(
+        ["bash", "slurm/train.sbatch", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    lines = r.stdout.splitlines()
+    assert lines[0] == "dry run: nothing is started or written"
+    assert (
+        lines[1] == f"run directory: {root}/tiny-bf16-fsdp (log: {root}/tiny-bf16-fsdp/slurm-0.out)"
+    )
+    assert lines[2].startswith("nodes: 2 (") and "GPUs per node: 4 (" in lines[2]
+    assert lines[2].endswith("trainers: 8")
+    assert lines[3].startswith(f"rendezvous: {host}:29511 ")
+    command = next(x for x in lines if x.startswith("command: "))
+    want = (
+        f"command: srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=0 {sys.executable} -m "
+        f"torch.distributed.run --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
+        f"--rdzv-endpoint={host}:29511 --rdzv-id=0-0 --max-restarts=0 --shutdown-timeout=300 "
+        "--signals-to-handle=SIGTERM\\,SIGINT\\,SIGHUP\\,SIGQUIT\\,SIGUSR1 slurm/run_trainer.py "
+        f"train.py {' '.join(overrides)}"
+    )
+    assert command == want
+    assert not root.exists() and r.stderr == ""
+
+    # The defaults of this script (one node, 8 GPUs), and a wrong override: one line, status 2.
+    env = _outside_slurm(tmp_path, DRY_RUN="1")
+    r = subprocess.run(
+        ["bash", "slurm/train.sbatch", f"run.root={root}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "nodes: 1 (" in r.stdout and "trainers: 8" in r.stdout
+    r = subprocess.run(
+        ["bash", "slurm/train.sbatch", "modle=small"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith("error: modle: no such config group or key")
+    assert len(r.stderr.strip().splitlines()) == 1
+    # Without DRY_RUN, outside a job: one line saying how to submit or dry-run.
+    r = subprocess.run(
+        ["bash", "slurm/train.sbatch"],
+        cwd=ROOT,
+        env=_outside_slurm(tmp_path),
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("error: train.sbatch runs inside a Slurm job")
+    assert "DRY_RUN=1 bash slurm/train.sbatch" in r.stderr and len(r.stderr.splitlines()) == 1

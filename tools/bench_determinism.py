@@ -1,4 +1,4 @@
-"""What train.deterministic buys and costs, per precision recipe, on one GPU (README, Determinism).
+"""What train.deterministic buys and costs, per precision recipe, on one GPU (docs/RUNS.md, Determinism).
 
     python tools/bench_determinism.py                 # llama3_1b, seq 8192, micro batch 4, sm_90 recipes
     python tools/bench_determinism.py --recipes bf16 fp8_cs --steps 8 --resume-at 5 --out runs/det

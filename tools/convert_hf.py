@@ -13,7 +13,7 @@ the tokenizer files: the run's Hugging Face tokenizer (data.tokenizer, or --toke
 the byte tokenizer a byte-level tokenizer.json with the same ids. Exit status 2 on bad input.
 
 Starting training from Hugging Face weights needs no conversion: `model.init_from=<folder or
-hub name>` (README, "Hugging Face weights").
+hub name>` (docs/CHECKPOINTING.md).
 """
 
 from __future__ import annotations

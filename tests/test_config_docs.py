@@ -1,0 +1,164 @@
+"""The config reference (confhelp.py) against the schema: every field described, the generated
+docs/CONFIGURATION.md current, and `python train.py --help` printing it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import confhelp
+from config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _leaf_paths(cls: type, prefix: str = "") -> set[str]:
+    """The schema's field paths, walked independently of confhelp: dataclass fields of the
+    root's group nodes and of any nested dataclass."""
+    import typing
+
+    out = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        inner = next((a for a in (tp, *args) if dataclasses.is_dataclass(a)), None)
+        if inner is not None and prefix == "":
+            out |= _leaf_paths(inner, path + ".")
+            continue
+        out.add(path)
+        if inner is not None:
+            sep = "[]." if typing.get_origin(tp) is list else "."
+            out |= _leaf_paths(inner, path + sep)
+    return out
+
+
+def test_every_schema_field_is_listed_once():
+    paths = [f.path for f in confhelp.schema_fields()]
+    assert len(paths) == len(set(paths))
+    assert set(paths) == _leaf_paths(Config)
+
+
+def test_every_field_has_a_description():
+    missing = confhelp.undocumented()
+    assert not missing, (
+        "config fields without a description: "
+        + ", ".join(missing)
+        + ". Add a `#:` comment line right above each field in its dataclass (units, allowed "
+        f"values), then run `{confhelp.REGENERATE}`"
+    )
+
+
+def test_field_comments_are_read_from_the_source():
+    from config import TrainConfig
+
+    docs = confhelp.field_comments(TrainConfig)
+    assert docs["global_batch_size"] == "Sequences per optimizer step over all data-parallel ranks."
+    # a two-line comment is joined into one line
+    assert docs["micro_batch_size"] == (
+        "Sequences per forward/backward on one rank; the rest is gradient accumulation. "
+        "null: the whole per-rank share of the global batch (no accumulation)."
+    )
+
+
+def test_defaults_are_the_composed_config():
+    """Defaults come from what `python train.py` composes (conf/ merged into the schema), not
+    the bare dataclass defaults: checkpoint.mode's dataclass default is none, conf picks sync."""
+    from config import compose_config
+
+    cfg = compose_config()
+    by_path = {f.path: f for f in confhelp.schema_fields()}
+    assert by_path["checkpoint.mode"].default == cfg.checkpoint.mode == "sync"
+    assert by_path["train.steps"].default == cfg.train.steps
+    assert by_path["data.seq_len"].default == cfg.data.seq_len
+    assert by_path["run.name"].default == "${model.name}-${recipe.name}-${parallel.name}"
+    other = {f.path: f for f in confhelp.schema_fields(confhelp.composed_defaults(["data=hf"]))}
+    assert other["data.seq_len"].default == compose_config(["data=hf"]).data.seq_len
+
+
+def test_group_options_are_the_conf_files():
+    options = confhelp.group_options()
+    for group, opts in options.items():
+        files = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+        assert [name for name, _ in opts] == files
+    assert dict(options["recipe"])["fp8_cs"] == (
+        "FP8 with per-tensor current scaling (amax of the tensor being cast)."
+    )
+    assert confhelp.default_options()["model"] == "tiny"
+
+
+def test_configuration_md_is_current():
+    current = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    assert current == confhelp.render_markdown(), (
+        "docs/CONFIGURATION.md is not what the config schema generates (a field, a `#:` comment, "
+        f"a default or a conf/ option changed); run `{confhelp.REGENERATE}` and commit the result"
+    )
+
+
+def _train_help(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_train_help_prints_the_field_reference():
+    out = _train_help("--help")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    cp = next(line for line in lines if line.lstrip().startswith("parallel.cp = 1 "))
+    assert "Context parallelism: each sequence is split over this many ranks" in cp
+    assert any(
+        line.startswith("recipe: recipe={bf16 (default), fp8_block, fp8_cs") for line in lines
+    )
+    assert "Hydra" not in out.stdout.split("\n", 1)[0]  # our text, not Hydra's stock help
+    assert "== Config ==" not in out.stdout
+
+
+def test_train_help_narrows_and_takes_overrides():
+    out = _train_help("-h", "model", "model=llama3_8b")
+    assert out.returncode == 0, out.stderr
+    fields = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert fields and all(f.startswith("model.") for f in fields)
+    assert "  model.dim = 4096 " in out.stdout
+    bad = _train_help("--help", "nosuchgroup")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: no config field starts with nosuchgroup"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # no headings in code blocks
+    return {_anchor(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file of the repo, and its
+    #anchor a heading of that file."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links: " + "; ".join(broken)
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250

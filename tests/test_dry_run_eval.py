@@ -1,0 +1,159 @@
+"""train.dry_run and train.eval_only, and the messages of extending a run.
+
+Dry run: validates, decides the resume from the checkpoint's config (the same refusal a
+real start gives), builds the model on the meta device and prints mesh, parameter count,
+memory and checkpoint estimates; the run directory is neither created nor changed. Eval
+only: the held-out loss of the checkpoint equals the one the training run logged at that
+step (same batches, same weights), and nothing is written."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from runlog import read_metrics
+from runtime import launch
+from tests.helpers import CPU_ENV
+from tests.test_eval import TINY
+from tests.test_resume_config import snapshot
+
+
+def run(tmp_path, *args, nproc=1):
+    r = launch([*TINY, f"run.root={tmp_path}", "run.name=r", *args], nproc=nproc, env=CPU_ENV)
+    return r.returncode, r.stdout, r.stderr
+
+
+def lines(text: str) -> list[str]:
+    return [x for x in text.splitlines() if x.strip()]
+
+
+def test_dry_run_then_extending_a_run(tmp_path):
+    status, out, err = run(tmp_path, "train.steps=4", "train.dry_run=true")
+    assert status == 0, out + err
+    assert not tmp_path.joinpath("r").exists()  # nothing created
+    got = lines(out)
+    assert got[0] == "dry run: the config is valid; nothing is trained, read or written"
+    assert got[1] == (
+        "mesh: ParallelDims(fsdp: dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1) on "
+        "cpu, grad_accum=1"
+    )
+    params = re.match(
+        r"model: tiny impl=torch params=(\S+)M recipe=bf16 \(built on the meta", got[2]
+    )
+    assert params, got[2]
+    assert got[3].startswith("memory: about ") and "GiB per GPU (states " in got[3]
+    assert got[4].startswith("checkpoint: about ") and "keeps the last 2" in got[4]
+    assert got[5].startswith("data: data=embedded seq_len=32 global batch 4 sequences")
+    assert got[6] == (
+        f"resume: no checkpoint in {tmp_path}/r/checkpoints; starts fresh at step 0 "
+        f"({tmp_path}/r would be created)"
+    )
+
+    # The run itself: the same parameter count.
+    status, out, err = run(tmp_path, "train.steps=4", "checkpoint=sync")
+    assert status == 0, err[-3000:]
+    assert f"params={params.group(1)}M" in out
+    before = snapshot(tmp_path / "r")
+
+    # Extending it: refused (a separate run first, then the one way to extend), in a dry run
+    # as in a real start; accepted with resume.accept=[train.steps].
+    refusal = (
+        f"error: resume: {tmp_path}/r has a checkpoint (step 4) of another config: train.steps "
+        "4 -> 8 (the LR schedule's length: 8 steps unless optim.schedule_steps=4); to start a "
+        "separate run, add run.name=NAME; to continue this run with the change on purpose, add "
+        "resume.accept=[train.steps]; or resume with the checkpoint's values"
+    )
+    for dry in ("true", "false"):
+        status, out, err = run(tmp_path, "train.steps=8", "checkpoint=sync", f"train.dry_run={dry}")
+        assert status == 2 and lines(err) == [refusal], err
+        assert snapshot(tmp_path / "r") == before
+    status, out, err = run(
+        tmp_path, "train.steps=8", "resume.accept=[train.steps]", "train.dry_run=true"
+    )
+    assert status == 0, err
+    assert lines(out)[-1] == (
+        f"resume: from {tmp_path}/r/checkpoints/step_0000004 (step 4) with accepted changes: "
+        "train.steps 4 -> 8 (the LR schedule's length: 8 steps unless optim.schedule_steps=4)"
+    )
+    assert snapshot(tmp_path / "r") == before
+
+    # Nothing to do: the same way to extend is named.
+    status, out, err = run(tmp_path, "train.steps=4", "checkpoint=sync")
+    assert status == 0, err
+    assert (
+        f"nothing to do: {tmp_path}/r is at step 4 and train.steps=4; to train further, extend "
+        "this run with train.steps=N resume.accept=[train.steps] (N > 4), or start a separate "
+        "run with run.name=NAME"
+    ) in out
+
+
+def test_warmup_longer_than_the_schedule_warns_once(tmp_path):
+    status, out, err = run(tmp_path, "train.steps=3", "optim.warmup_steps=5", "train.dry_run=true")
+    assert status == 0, err
+    warn = [x for x in lines(out) if x.startswith("warning:")]
+    assert warn == [
+        "warning: optim.warmup_steps=5 exceeds the LR schedule's 3 steps (train.steps): the lr "
+        "never reaches optim.lr=0.003; lower optim.warmup_steps to train at the full lr"
+    ]
+    status, out, err = run(tmp_path, "train.steps=3", "optim.warmup_steps=2", "train.dry_run=true")
+    assert status == 0 and "warning:" not in out + err
+
+
+def test_eval_only_equals_the_logged_val_loss(tmp_path):
+    evals = ["eval.every=2", "eval.batches=2", "data.eval_fraction=0.1"]
+    status, out, err = run(tmp_path, "train.steps=4", "checkpoint=sync", *evals)
+    assert status == 0, err[-3000:]
+    ref = {r["step"]: r.get("val_loss") for r in read_metrics(tmp_path / "r" / "metrics.jsonl")}
+    before = snapshot(tmp_path / "r")
+    # eval.every=0 still evaluates eval.batches batches.
+    status, out, err = run(
+        tmp_path, "train.steps=4", "train.eval_only=true", "eval.every=0", *evals[1:]
+    )
+    assert status == 0, err[-3000:]
+    line = lines(out)[-1]
+    assert line == (
+        f"eval: step 4 val_loss {ref[4]:.4f} on 2 held-out batches (8 sequences of 32 tokens) "
+        f"from {tmp_path}/r/checkpoints"
+    ), out
+    assert "note:" not in out  # the run held these documents out
+    assert snapshot(tmp_path / "r") == before
+
+    # No checkpoint: one line.
+    status, out, err = run(tmp_path, "train.eval_only=true", "run.name=none")
+    assert status == 2 and lines(out + err) == [
+        f"error: train.eval_only: no checkpoint in {tmp_path}/none/checkpoints; train this run "
+        "first, or give one with checkpoint.resume=PATH"
+    ]
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.slow
+def test_dry_run_under_torchrun(tmp_path):
+    status, out, err = run(
+        tmp_path,
+        "parallel=fsdp_tp",
+        "parallel.tp=2",
+        "model.n_kv_heads=2",
+        "train.dry_run=true",
+        nproc=2,
+    )
+    assert status == 0, out + err
+    got = lines(out)
+    assert got.count("dry run: the config is valid; nothing is trained, read or written") == 1
+    assert (
+        "mesh: ParallelDims(fsdp_tp: dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2)" in out
+    )
+    assert not tmp_path.joinpath("r").exists()
+
+
+@pytest.mark.slow
+def test_eval_only_on_two_ranks_matches_one(tmp_path):
+    evals = ["eval.batches=2", "data.eval_fraction=0.1", "eval.every=2"]
+    status, out, err = run(tmp_path, "train.steps=2", "checkpoint=sync", *evals)
+    assert status == 0, err[-3000:]
+    one = run(tmp_path, "train.steps=2", "train.eval_only=true", *evals)
+    two = run(tmp_path, "train.steps=2", "train.eval_only=true", *evals, nproc=2)
+    assert one[0] == two[0] == 0, one[2][-2000:] + two[2][-2000:]
+    line = [x for x in lines(one[1]) if x.startswith("eval: step 2 val_loss ")]
+    assert len(line) == 1 and [x for x in lines(two[1]) if x.startswith("eval: ")] == line
