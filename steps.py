@@ -70,7 +70,7 @@ def next_token_loss(
     return model(inputs, labels=labels, documents=documents)
 
 
-def micro_batches(inputs, labels, documents: Documents | None, n: int, device):
+def split_micro_batches(inputs, labels, documents: Documents | None, n: int, device):
     """The n micro batches of (inputs, labels, documents): documents split on the CPU (where
     their boundaries are known without a sync) and all moved next to the inputs before the
     first forward is queued; under context parallelism, documents are split over the cp
@@ -114,7 +114,7 @@ def train_step(
     averages it over data-parallel ranks when it logs. `documents`: the document boundaries
     of `inputs` (CPU, data.documents), split into micro batches as the inputs are."""
     step_loss = torch.zeros((), device=inputs.device)
-    for x, y, d in micro_batches(inputs, labels, documents, grad_accum, inputs.device):
+    for x, y, d in split_micro_batches(inputs, labels, documents, grad_accum, inputs.device):
         with autocast if autocast is not None else nullcontext():
             loss = micro_batch_loss(loss_fn, model, x, y, d)
         (loss / grad_accum).backward()
@@ -152,7 +152,7 @@ def evaluate(
     for batch in batches:
         inputs, labels, documents = layout(batch)
         inputs, labels = to_device(inputs, device), to_device(labels, device)
-        for x, y, d in micro_batches(inputs, labels, documents, micro_batches, device):
+        for x, y, d in split_micro_batches(inputs, labels, documents, micro_batches, device):
             with autocast if autocast is not None else nullcontext():
                 total += micro_batch_loss(loss_fn, model, x, y, d).float()
     total /= len(batches) * micro_batches

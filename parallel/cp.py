@@ -214,7 +214,7 @@ def shard_batch(inputs, labels, documents, *, cp: int, cp_rank: int, group, alig
     """(inputs, labels, documents) of cp rank `cp_rank` from a batch of full rows on the CPU;
     `documents`: their data.documents.Documents (document masking) or None. Causal rows, or
     documents that are whole rows: this rank's (B, S / cp) part and its ContextShard. Other
-    documents: the full rows and a DocumentSharding, split per micro batch (steps.micro_batches
+    documents: the full rows and a DocumentSharding, split per micro batch (steps.split_micro_batches
     calls its `shard`)."""
     b, s = inputs.shape
     if documents is not None and not documents.whole_rows:

@@ -473,8 +473,8 @@ def test_resume_refusals_come_before_the_model_is_built(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "build_training", no_model)
     refusals = {
-        "optim.lr=0.01": "resume: this config changes the training against the checkpoint's "
-        "(step 2): optim.lr 0.003 -> 0.01; ",
+        "optim.lr=0.01": f"resume: {tmp_path / 'r'} has a checkpoint (step 2) of another "
+        "config: optim.lr 0.003 -> 0.01; ",
         f"checkpoint.resume={tmp_path / 'nowhere'}": f"checkpoint.resume={tmp_path / 'nowhere'}: "
         "no checkpoint there",
         "model.n_layers=3": f"model.n_layers: checkpoint has 4, config has 3 (checkpoint "
@@ -602,8 +602,8 @@ def _stop_one_rank(rank, world_size, tmp):
         train.run(_compose(tmp, "stop", "train.steps=20", "train.log_every=2", "optim.lr=0.01"))
     except ConfigError as e:
         assert str(e).startswith(
-            "resume: this config changes the training against the "
-            "checkpoint's (step 4): optim.lr 0.003 -> 0.01; "
+            f"resume: {tmp / 'stop'} has a checkpoint (step 4) of another config: "
+            "optim.lr 0.003 -> 0.01; "
         ), str(e)
     else:
         raise AssertionError(f"rank {rank} resumed a changed config")

@@ -33,7 +33,7 @@ from model.llama import Linear, Llama, RMSNorm, document_causal_mask, output_hea
 from model.rope import apply_rope, rope_freqs
 from parallel import ParallelConfig, ParallelDims, parallelize
 from parallel import tp as tp_comm
-from steps import BatchLayout, micro_batch_loss, micro_batches, train_step
+from steps import BatchLayout, micro_batch_loss, split_micro_batches, train_step
 from tests.distributed import run_distributed
 from tests.helpers import full_logits_loss
 
@@ -122,7 +122,7 @@ def train(
 def first_grads(model, data, dp_rank=0, dp_size=1, documents=False, dims=None) -> None:
     """Forward and backward of the first batch (step 1's gradients), leaving them in .grad."""
     inputs, labels, docs = batch_layout(documents, dims)(rank_slice(data, 0, dp_rank, dp_size))
-    ((x, y, d),) = micro_batches(inputs, labels, docs, 1, inputs.device)
+    ((x, y, d),) = split_micro_batches(inputs, labels, docs, 1, inputs.device)
     micro_batch_loss(full_logits_loss, model, x, y, d).backward()
 
 

@@ -405,7 +405,7 @@ def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nod
 
     cfg, validate_batch = compose([f"experiment={preset}"])
     assert cfg.model.name == "llama3_8b" and cfg.data.seq_len == seq_len <= cfg.model.max_seq_len
-    assert cfg.parallel.cp == cp and not cfg.data.document_mask
+    assert cfg.parallel.cp == cp and cfg.data.document_mask
     assert cfg.train.steps * cfg.train.global_batch_size * seq_len == cfg.experiment["token_budget"]
     for n in nodes:
         dims = ParallelDims(cfg.parallel, 8 * n)

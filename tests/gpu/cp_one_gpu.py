@@ -38,7 +38,7 @@ from data.documents import DocumentBoundaries  # noqa: E402
 from model.init import init_weights  # noqa: E402
 from model.llama import Llama  # noqa: E402
 from parallel.cp import apply_te_cp, token_align  # noqa: E402
-from steps import BatchLayout, micro_batch_loss, micro_batches, next_token_loss  # noqa: E402
+from steps import BatchLayout, micro_batch_loss, next_token_loss, split_micro_batches  # noqa: E402
 from tests.gpu.test_documents_gpu import BOS, EOS, cfg, packed  # noqa: E402
 
 
@@ -122,7 +122,7 @@ def main() -> None:
         align=token_align("te", 1),
     )
     inputs, targets, part = layout(full)
-    ((x, y, d),) = micro_batches(inputs.cuda(), targets.cuda(), part, 1, torch.device("cuda"))
+    ((x, y, d),) = split_micro_batches(inputs.cuda(), targets.cuda(), part, 1, torch.device("cuda"))
     bf16 = torch.autocast("cuda", dtype=torch.bfloat16)
     with bf16:
         loss_cp = micro_batch_loss(next_token_loss, models["cp"], x, y, d)
