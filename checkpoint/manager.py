@@ -485,17 +485,18 @@ class CheckpointManager:
         self._last_saved_step = step if same_dir else None
         seconds = time.perf_counter() - t0
         self._log(f"resumed from {path} (step {step}) in {seconds:.2f}s")
-        manifest = store.read_manifest(path) or {"files": {}}
-        self._append_log(
-            {
-                "event": "resumed",
-                "step": step,
-                "path": str(path),
-                "seconds": seconds,
-                "bytes": sum(e.get("size", 0) for e in manifest["files"].values()),
-                "verified": bool(self.cfg.checksum),
-            }
-        )
+        if self.saving:  # a reading manager (train.eval_only, checkpoint=none) writes nothing
+            manifest = store.read_manifest(path) or {"files": {}}
+            self._append_log(
+                {
+                    "event": "resumed",
+                    "step": step,
+                    "path": str(path),
+                    "seconds": seconds,
+                    "bytes": sum(e.get("size", 0) for e in manifest["files"].values()),
+                    "verified": bool(self.cfg.checksum),
+                }
+            )
         return step
 
     def reload(self, step: int, state: Mapping[str, Any]) -> Path:
