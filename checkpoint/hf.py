@@ -347,45 +347,15 @@ def export_checkpoint(
     data.tokenizer. Quantized-weight checkpoints (recipe.quantized_init) export the optimizer's
     fp32 master weights. Returns the checkpoint folder exported.
     """
-    import yaml
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import GenerationConfig
 
-    found = store.find_checkpoint(Path(checkpoint).expanduser())
-    if found is None:
-        raise ConfigError(
-            f"{checkpoint}: no committed checkpoint there; pass a step folder such as "
-            "runs/<name>/checkpoints/step_0000100 (or a folder holding them)"
-        )
-    path = found.path
-    problem = store.verify(path, checksum=True)
-    if problem:
-        raise ConfigError(f"checkpoint {path} is damaged ({problem}); export an earlier one")
-    config_file = path / store.CONFIG_FILE
-    if not config_file.is_file():
-        raise ConfigError(f"checkpoint {path} has no {store.CONFIG_FILE}; it names the model shape")
-    saved = yaml.safe_load(config_file.read_text()) or {}
-    cfg = _model_config(saved, path)
+    path, saved, cfg, md, entries = _open_checkpoint(checkpoint, "export an earlier one")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; remove it or pick another output folder")
-
-    # Which DCP entry holds each weight, checked before anything is written.
-    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    entries = {}
-    for name, shape in our_shapes(cfg).items():
-        master = f"optimizer.state.{name}.master_param"
-        key = master if master in md else f"model.{name}"
-        if not isinstance(md.get(key), TensorStorageMetadata):
-            raise ConfigError(
-                f"checkpoint {path} has no tensor {key!r}; it does not match its config.yaml"
-            )
-        check_shape(md[key].size, shape, key)
-        entries[name] = key
     dtype = dtype or md[entries["embed.weight"]].properties.dtype
     tok, bos, eos = export_tokenizer(
         tokenizer or (saved.get("data") or {}).get("tokenizer") or "byte", cfg.max_seq_len
@@ -433,31 +403,43 @@ def checkpoint_model_weights(checkpoint: str | Path) -> tuple[ModelConfig, dict,
     the step folder, {parameter name: tensor}). `checkpoint`: a step folder, a folder holding
     them, or a run directory (its checkpoints/). Quantized-weight checkpoints give the fp32
     master weights. Raises ConfigError (one line)."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    path, saved, cfg, md, entries = _open_checkpoint(checkpoint, "use an earlier one")
+    flat = {
+        key: torch.empty(md[key].size, dtype=md[key].properties.dtype) for key in entries.values()
+    }
+    dcp_load(flat, checkpoint_id=str(path), no_dist=True)
+    return cfg, saved, path, {name: flat[key] for name, key in entries.items()}
+
+
+def _open_checkpoint(checkpoint: str | Path, earlier: str):
+    """A committed checkpoint opened for reading its model in this one process: (step folder,
+    its whole saved config, its ModelConfig, its DCP metadata, {parameter name: the DCP entry
+    holding it}: the optimizer's fp32 master weight when quantized, else the model's), each
+    weight present with our shape, all checked before anything is read or written. Raises
+    ConfigError (one line); `earlier`: what to do with a damaged one."""
     import yaml
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    spec = Path(checkpoint).expanduser()
-    found = store.find_checkpoint(spec)
-    if found is None and (spec / "checkpoints").is_dir():
-        found = store.find_checkpoint(spec / "checkpoints")
+    found = store.find_checkpoint(Path(checkpoint).expanduser())
     if found is None:
         raise ConfigError(
             f"{checkpoint}: no committed checkpoint there; pass a run directory (runs/<name>), "
-            "a step folder such as runs/<name>/checkpoints/step_0000100, or an export folder"
+            "a step folder such as runs/<name>/checkpoints/step_0000100, or a folder holding them"
         )
     path = found.path
     problem = store.verify(path, checksum=True)
     if problem:
-        raise ConfigError(f"checkpoint {path} is damaged ({problem}); use an earlier one")
+        raise ConfigError(f"checkpoint {path} is damaged ({problem}); {earlier}")
     config_file = path / store.CONFIG_FILE
     if not config_file.is_file():
         raise ConfigError(f"checkpoint {path} has no {store.CONFIG_FILE}; it names the model shape")
     saved = yaml.safe_load(config_file.read_text()) or {}
     cfg = _model_config(saved, path)
     md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    request = {}
+    entries = {}
     for name, shape in our_shapes(cfg).items():
         master = f"optimizer.state.{name}.master_param"
         key = master if master in md else f"model.{name}"
@@ -466,10 +448,8 @@ def checkpoint_model_weights(checkpoint: str | Path) -> tuple[ModelConfig, dict,
                 f"checkpoint {path} has no tensor {key!r}; it does not match its config.yaml"
             )
         check_shape(md[key].size, shape, key)
-        request[name] = (key, torch.empty(md[key].size, dtype=md[key].properties.dtype))
-    flat = {key: t for key, t in request.values()}
-    dcp_load(flat, checkpoint_id=str(path), no_dist=True)
-    return cfg, saved, path, {name: flat[key] for name, (key, _) in request.items()}
+        entries[name] = key
+    return path, saved, cfg, md, entries
 
 
 def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
