@@ -15,6 +15,7 @@ in a subprocess).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import os
@@ -34,7 +35,6 @@ from checkpoint.hf import load_hf_weights, model_source
 from checkpoint.manager import (
     checkpoint_root,
     close_open,
-    model_shape_mismatches,
     resume_step,
     resumes,
 )
@@ -43,8 +43,6 @@ from config import (
     Config,
     SegmentConfig,
     check_experiment_overrides,
-    check_recipe_at_resume,
-    check_resume,
     config_changes,
     config_warnings,
     register_configs,
@@ -213,17 +211,7 @@ def build_parallel_model(
        Quantized parameters are cast from those values afterwards, with per-tensor amax
        reduced over exactly the ranks that hold pieces of each weight (never dp_replicate).
     """
-    te_kwargs = {}
-    if impl == "te":
-        te_kwargs = dict(
-            recipe=recipe,
-            tp_group=dims.tp_group,
-            tp_size=dims.tp,
-            sequence_parallel=dims.sequence_parallel,
-        )
-    with torch.device("meta"), recipe.quantized_init_context():
-        model = build_model(mcfg, impl, **te_kwargs)
-    model = parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
+    model = meta_parallel_model(mcfg, impl, recipe, dims, device)
     model.to_empty(device=device)
     model.reset_buffers()
     if init_from is not None:
@@ -234,64 +222,9 @@ def build_parallel_model(
     return model, amax_group
 
 
-def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig) -> str:
-    """What a start of this config would do about the run's checkpoints, decided from the
-    files alone (nothing is moved, locked or loaded): one line, or a ConfigError with the line
-    the real start would refuse with. The checkpoint's files are not hashed here."""
-    spec = str(cfg.checkpoint.resume)
-    root = checkpoint_root(cfg.checkpoint, run_dir)
-    if spec == "none":
-        moved = " (its checkpoints would be moved aside)" if store.newest_step(root) else ""
-        return f"resume: checkpoint.resume=none: starts fresh at step 0 in {run_dir}{moved}"
-    found = (
-        store.newest_step(root)
-        if spec == "auto"
-        else store.find_checkpoint(Path(spec).expanduser())
-    )
-    if found is None:
-        if spec != "auto":
-            raise ConfigError(
-                f"checkpoint.resume={spec}: no checkpoint there (expected a step_XXXXXXX "
-                "directory or a directory holding them); fix the path, or use "
-                "checkpoint.resume=auto|none"
-            )
-        state = "exists" if run_dir.is_dir() else "would be created"
-        return f"resume: no checkpoint in {root}; starts fresh at step 0 ({run_dir} {state})"
-    config = found.path / store.CONFIG_FILE
-    saved = config.read_text() if config.is_file() else None
-    if mismatches := model_shape_mismatches(saved, segment.yaml):
-        raise ConfigError(
-            f"{'; '.join(mismatches)} (checkpoint {found.path}); resume with the checkpoint's "
-            "model settings, or start a separate run with run.name=NAME"
-        )
-    accepted = check_resume(saved, segment.yaml, segment.accept, found.step)
-    check_recipe_at_resume(saved, segment.yaml, segment.accept, found.step)
-    line = f"resume: from {found.path} (step {found.step})"
-    if accepted:
-        line += f" with accepted changes: {'; '.join(map(str, accepted))}"
-    if found.step >= cfg.train.steps:
-        line += f"; nothing to train: train.steps={cfg.train.steps}"
-    return line
-
-
-def dry_run(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir: Path, tokenizer, say):
-    """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
-    returns the exit status (0). Nothing is written and no data is read."""
-    rank = int(os.environ.get("RANK", 0))
-    segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
-    plan = [None, None]
-    if rank == 0:  # the filesystem read once; every rank raises the same refusal
-        try:
-            plan[0] = resume_plan(cfg, run_dir, segment)
-        except ConfigError as e:
-            plan[1] = str(e)
-    if dist.is_initialized():
-        dist.broadcast_object_list(plan, src=0)
-    if plan[1]:
-        raise ConfigError(plan[1])
-    dims.build_mesh(device.type)
-    compat.apply_all()
-    recipe = build_recipe(rcfg, cfg.model.n_layers)
+def meta_parallel_model(mcfg, impl: str, recipe: Recipe, dims: ParallelDims, device):
+    """Steps 5-6 of `run`: the model built on the meta device and parallelized (no memory
+    yet); the dry run stops here."""
     te_kwargs = {}
     if impl == "te":
         te_kwargs = dict(
@@ -301,8 +234,60 @@ def dry_run(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir: Path, to
             sequence_parallel=dims.sequence_parallel,
         )
     with torch.device("meta"), recipe.quantized_init_context():
-        model = build_model(cfg.model, impl, **te_kwargs)
-    model = parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
+        model = build_model(mcfg, impl, **te_kwargs)
+    return parallelize(model, dims, dims.cfg, impl, mixed_precision=device.type == "cuda")
+
+
+def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, world_size: int):
+    """What a start of this config would do about the run's checkpoints, as one line: the
+    decision of `CheckpointManager.plan_resume` itself, made by a reading manager (mode none:
+    nothing is moved, locked or loaded; the data files are not hashed). A refusal is the
+    ConfigError a real start raises, on every rank. Call on every rank."""
+    accepted = []
+
+    def check(saved_yaml: str, step: int) -> None:
+        accepted[:] = segment.check(saved_yaml, step)
+
+    reader = CheckpointManager(
+        dataclasses.replace(cfg.checkpoint, mode="none"),
+        run_dir,
+        rank=rank,
+        world_size=world_size,
+        corpus=corpus_fingerprint(cfg.data) if rank == 0 else None,
+    )
+    try:
+        step = reader.plan_resume(
+            segment.yaml, check=check, accept_corpus=segment.accepts("data.corpus")
+        )
+        path = reader.planned_path
+    finally:
+        reader.close()
+    if path is None:
+        if str(cfg.checkpoint.resume) == "none":
+            moved = (
+                " (its checkpoints would be moved aside)" if store.newest_step(reader.root) else ""
+            )
+            return f"resume: checkpoint.resume=none: starts fresh at step 0 in {run_dir}{moved}"
+        state = "exists" if run_dir.is_dir() else "would be created"
+        return f"resume: no checkpoint in {reader.root}; starts fresh at step 0 ({run_dir} {state})"
+    line = f"resume: from {path} (step {step})"
+    if accepted:
+        line += f" with accepted changes: {'; '.join(map(str, accepted))}"
+    if step >= cfg.train.steps:
+        line += f"; nothing to train: train.steps={cfg.train.steps}"
+    return line
+
+
+def dry_run(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir: Path, tokenizer, say):
+    """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
+    returns the exit status (0). Nothing is written and no data is read."""
+    segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
+    plan = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
+    dims.build_mesh(device.type)
+    compat.apply_all()
+    model = meta_parallel_model(
+        cfg.model, impl, build_recipe(rcfg, cfg.model.n_layers), dims, device
+    )
     n_params = sum(p.numel() for p in model.parameters())
     ckpt_bytes = estimate_checkpoint_bytes(cfg.model, cfg.recipe.quantized_init)
     c = cfg.checkpoint
@@ -325,7 +310,7 @@ def dry_run(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir: Path, to
         f"{cfg.train.global_batch_size} sequences, tokenizer vocabulary {tokenizer.vocab_size}",
         flush=True,
     )
-    say(plan[0], flush=True)
+    say(plan, flush=True)
     return 0
 
 
@@ -352,8 +337,6 @@ class _EvalOnlyCheck:
 def eval_only(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir, tokenizer, say) -> int:
     """`train.eval_only=true`: load the run's newest checkpoint (or checkpoint.resume=PATH)
     into the model, print the held-out loss over eval.batches batches, save nothing."""
-    import dataclasses
-
     if not resumes(cfg.checkpoint, run_dir):
         raise ConfigError(
             f"train.eval_only: no checkpoint in {checkpoint_root(cfg.checkpoint, run_dir)}; "

@@ -456,6 +456,12 @@ class CheckpointManager:
         self._planned = decision
         return decision["step"]
 
+    @property
+    def planned_path(self) -> Path | None:
+        """The checkpoint `plan_resume` chose (None: a fresh start, or not planned yet)."""
+        path = (self._planned or {}).get("path")
+        return Path(path) if path else None
+
     def resume(self, state: Mapping[str, Any]) -> int:
         """Load the checkpoint `checkpoint.resume` points to into `state`; returns its step (0
         when starting fresh). Call once, on every rank, before the first save; after
