@@ -98,3 +98,15 @@ def committed(root: Path) -> list[int]:
     from checkpoint import store
 
     return [c.step for c in store.list_complete(root)]
+
+
+#: train.py overrides of a small quick run for the checkpoint tests that launch train.py.
+SMALL = ["data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
+
+
+def two_checkpoints(run_dir: Path, **kw) -> Path:
+    """Steps 2 and 4 committed; returns the checkpoint directory."""
+    Run(run_dir, **kw).train(4)
+    root = run_dir / "checkpoints"
+    assert committed(root) == [2, 4]
+    return root

@@ -26,22 +26,13 @@ from checkpoint import hashing, preflight, runlock, store
 from errors import ConfigError, NonFiniteLossError
 from model.flops import parameter_count
 from runtime import host_id, launch
-from tests.ckpt_harness import Run, committed
+from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
 from tests.distributed import run_distributed
 from tests.helpers import CPU_ENV, FakeLoader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
-
-
-def _two_checkpoints(run_dir: Path, **kw) -> Path:
-    """Steps 2 and 4 committed; returns the checkpoint directory."""
-    Run(run_dir, **kw).train(4)
-    root = run_dir / "checkpoints"
-    assert committed(root) == [2, 4]
-    return root
 
 
 def _item(ckpt: Path, fqn: str):
@@ -76,7 +67,7 @@ def _refused(run_dir: Path, **kw) -> str:
 
 
 def test_flipped_bytes_are_refused_and_nothing_is_removed(tmp_path):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     path, offset, length = _item(root / "step_0000004", "model.lm_head.weight")
     before = path.read_bytes()
     _flip(path, offset + length // 2)
@@ -92,7 +83,7 @@ def test_nan_weights_loaded_without_checksums_never_commit_or_prune(tmp_path):
     used to load, turn the loss nan, and commit the NaN weights over the last good checkpoint)
     are found right after the load (issue 28: named there, not as "lower optim.lr" at the
     first step); nothing is committed or pruned."""
-    root = _two_checkpoints(tmp_path, keep_last=2)
+    root = two_checkpoints(tmp_path, keep_last=2)
     path, offset, length = _item(root / "step_0000004", "model.lm_head.weight")
     _patch(path, offset + length // 2, b"\xff" * 64)  # fp32 NaNs
     msg = _refused(tmp_path, keep_last=2, checksum=False)
@@ -108,7 +99,7 @@ def test_nan_weights_loaded_without_checksums_never_commit_or_prune(tmp_path):
 
 @pytest.mark.parametrize("checksum", [True, False])
 def test_shard_from_another_save_is_refused(tmp_path, checksum):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     name = sorted(p.name for p in (root / "step_0000004").glob("*.distcp"))[0]
     shutil.copy(root / "step_0000002" / name, root / "step_0000004" / name)  # same size
     msg = _refused(tmp_path, checksum=checksum)
@@ -116,7 +107,7 @@ def test_shard_from_another_save_is_refused(tmp_path, checksum):
 
 
 def test_deleted_manifest_and_emptied_checkpoint_are_refused(tmp_path):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     (root / "step_0000004" / store.MANIFEST).unlink()
     msg = _refused(tmp_path)
     assert f"checkpoint {root / 'step_0000004'} is damaged (manifest.json is missing" in msg
@@ -136,7 +127,7 @@ def test_deleted_manifest_and_emptied_checkpoint_are_refused(tmp_path):
 
 @pytest.mark.parametrize("checksum", [True, False])
 def test_flipped_metadata_is_refused(tmp_path, checksum):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     _flip(root / "step_0000004" / ".metadata", 0, 64)
     msg = _refused(tmp_path, checksum=checksum)
     damaged = f"checkpoint {root / 'step_0000004'} is damaged ("
@@ -147,7 +138,7 @@ def test_flipped_metadata_is_refused(tmp_path, checksum):
 
 @pytest.mark.parametrize("checksum", [True, False])
 def test_garbage_config_yaml_is_refused(tmp_path, checksum):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     cfg = root / "step_0000004" / store.CONFIG_FILE
     cfg.write_bytes(b"{" * cfg.stat().st_size)  # same size: only a hash or a parse sees it
     msg = _refused(tmp_path, checksum=checksum)
@@ -191,7 +182,7 @@ def test_bad_checkpoint_fields_are_one_line():
 
 
 def test_store_layout_checks(tmp_path):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     (root / "step_0000009").mkdir()
     assert [c.step for c in store.list_steps(root)] == [2, 4, 9]
     assert store.newest_step(root).step == 9 and committed(root) == [2, 4]

@@ -27,21 +27,13 @@ from checkpoint.manager import close_open
 from checkpoint.writer_process import WriterProcess
 from errors import ConfigError
 from runtime import host_id
-from tests.ckpt_harness import Run, committed
+from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
 from tests.distributed import run_distributed
 from tests.helpers import CPU_ENV
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
-
-
-def _two_checkpoints(run_dir: Path, **kw) -> Path:
-    Run(run_dir, **kw).train(4)
-    root = run_dir / "checkpoints"
-    assert committed(root) == [2, 4]
-    return root
 
 
 def _refused(run_dir: Path, **kw) -> str:
@@ -62,7 +54,7 @@ def _previous(root: Path) -> str:
 
 
 def test_step_directory_replaced_by_a_file_is_refused(tmp_path):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     shutil.rmtree(root / "step_0000004")
     (root / "step_0000004").write_text("not a checkpoint")
     assert _refused(tmp_path) == (
@@ -73,7 +65,7 @@ def test_step_directory_replaced_by_a_file_is_refused(tmp_path):
 
 
 def test_symlink_loop_as_newest_step_is_one_line(tmp_path):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     shutil.rmtree(root / "step_0000004")
     (root / "step_0000004").symlink_to("step_0000004")
     assert _refused(tmp_path) == (
@@ -87,7 +79,7 @@ def test_symlink_loop_as_newest_step_is_one_line(tmp_path):
 def test_step_directory_the_run_cannot_read_is_one_line(tmp_path, monkeypatch):
     """Permissions: the tests run as root, which reads any directory, so the refusal of the
     directory listing (what a non-root run gets from a chmod 000 directory) is injected."""
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     denied = root / "step_0000004"
     real = os.listdir
 
@@ -105,7 +97,7 @@ def test_step_directory_the_run_cannot_read_is_one_line(tmp_path, monkeypatch):
 
 
 def test_unreadable_file_of_a_checkpoint_is_one_line(tmp_path, monkeypatch):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     denied = root / "step_0000004" / store.CONFIG_FILE
     real = Path.read_text
 
@@ -125,7 +117,7 @@ def test_unreadable_file_of_a_checkpoint_is_one_line(tmp_path, monkeypatch):
 def test_renamed_newest_step_is_announced_and_kept(tmp_path):
     """A step directory renamed by hand (`step_0000004.bak`) is not resumed from, and the run
     says so in one line; the renamed directory stays as it is."""
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     (root / "step_0000004").rename(root / "step_0000004.bak")
     run = Run(tmp_path)
     start, _ = run.train(6)
@@ -146,7 +138,7 @@ def _data_file(ckpt: Path) -> Path:
 
 
 def test_longer_file_and_damaged_trailer_say_what_was_found(tmp_path):
-    root = _two_checkpoints(tmp_path)
+    root = two_checkpoints(tmp_path)
     path = _data_file(root / "step_0000004")
     size = path.stat().st_size
     with path.open("ab") as f:
