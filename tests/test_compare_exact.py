@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,8 @@ def train(root: Path, name: str, *extra: str, env=None) -> subprocess.CompletedP
     return r
 
 
-def cli(*args):
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "compare_runs.py"), *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def cli(*args) -> tuple[int, str]:
+    r = launch(list(map(str, args)), program=("tools/compare_runs.py",), timeout=120)
     return r.returncode, r.stdout + r.stderr
 
 

@@ -50,13 +50,7 @@ TE_LOG = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "1"}
 
 
 def compare(*args) -> tuple[int, str]:
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "compare_runs.py"), *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = launch(list(map(str, args)), program=("tools/compare_runs.py",), timeout=120)
     return r.returncode, r.stdout + r.stderr
 
 
