@@ -35,8 +35,6 @@ from checkpoint.hf import load_hf_weights, model_source
 from checkpoint.manager import (
     checkpoint_root,
     close_open,
-    resume_step,
-    resumes,
 )
 from checkpoint.preflight import estimate_checkpoint_bytes, prepare_run_dir
 from config import (
@@ -239,7 +237,7 @@ def meta_parallel_model(mcfg, impl: str, recipe: Recipe, dims: ParallelDims, dev
 
 
 def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, world_size: int):
-    """What a start of this config would do about the run's checkpoints, as one line: the
+    """(line, step): what a start of this config would do about the run's checkpoints: the
     decision of `CheckpointManager.plan_resume` itself, made by a reading manager (mode none:
     nothing is moved, locked or loaded; the data files are not hashed). A refusal is the
     ConfigError a real start raises, on every rank. Call on every rank."""
@@ -267,22 +265,24 @@ def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, w
             moved = (
                 " (its checkpoints would be moved aside)" if store.newest_step(reader.root) else ""
             )
-            return f"resume: checkpoint.resume=none: starts fresh at step 0 in {run_dir}{moved}"
+            return f"resume: checkpoint.resume=none: starts fresh at step 0 in {run_dir}{moved}", 0
         state = "exists" if run_dir.is_dir() else "would be created"
-        return f"resume: no checkpoint in {reader.root}; starts fresh at step 0 ({run_dir} {state})"
+        line = f"resume: no checkpoint in {reader.root}; starts fresh at step 0 ({run_dir} {state})"
+        return line, 0
     line = f"resume: from {path} (step {step})"
     if accepted:
         line += f" with accepted changes: {'; '.join(map(str, accepted))}"
     if step >= cfg.train.steps:
         line += f"; nothing to train: train.steps={cfg.train.steps}"
-    return line
+    return line, step
 
 
-def dry_run(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir: Path, tokenizer, say):
+def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenizer, say):
     """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
     returns the exit status (0). Nothing is written and no data is read."""
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
-    plan = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
+    plan, step = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
+    rcfg = recipe_for_step(cfg.recipe, step + 1, schedule_steps(cfg))  # recipe.switch
     dims.build_mesh(device.type)
     compat.apply_all()
     model = meta_parallel_model(
@@ -334,14 +334,20 @@ class _EvalOnlyCheck:
             ]
 
 
-def eval_only(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir, tokenizer, say) -> int:
+def eval_only(cfg: Config, dims, grad_accum, impl, device, run_dir, tokenizer, say) -> int:
     """`train.eval_only=true`: load the run's newest checkpoint (or checkpoint.resume=PATH)
     into the model, print the held-out loss over eval.batches batches, save nothing."""
-    if not resumes(cfg.checkpoint, run_dir):
+    # mode none: the manager only reads (no partial checkpoint cleaned, nothing moved aside).
+    read_only = dataclasses.replace(cfg.checkpoint, mode="none")
+    ckpt = CheckpointManager(read_only, run_dir, rank=dims_rank(), world_size=dims.world_size)
+    step = ckpt.plan_resume()
+    if ckpt.planned_path is None:
+        ckpt.close()
         raise ConfigError(
             f"train.eval_only: no checkpoint in {checkpoint_root(cfg.checkpoint, run_dir)}; "
             "train this run first, or give one with checkpoint.resume=PATH"
         )
+    rcfg = recipe_for_step(cfg.recipe, step + 1, schedule_steps(cfg))  # recipe.switch
     dims.build_mesh(device.type)
     compat.apply_all()
     recipe, model, optimizer, scheduler = build_training(cfg, rcfg, impl, dims, device)
@@ -359,14 +365,9 @@ def eval_only(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir, tokeni
     state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
     for key in ("loader", "rng"):  # where training would go on: not needed to evaluate
         state.pop(key)
-    # mode none: the manager only reads (no partial checkpoint cleaned, nothing moved aside).
-    read_only = dataclasses.replace(cfg.checkpoint, mode="none")
-    ckpt = CheckpointManager(read_only, run_dir, rank=dims_rank(), world_size=dims.world_size)
     step = ckpt.resume(state)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    layout = BatchLayout(
-        loader.boundaries, cp=dims.cp, cp_rank=dims.cp_rank, cp_group=dims.cp_group
-    )
+    layout = batch_layout(loader, dims, impl)
     model.eval()
     val_loss = evaluate(
         model,
@@ -397,6 +398,18 @@ def eval_only(cfg: Config, dims, grad_accum, impl, rcfg, device, run_dir, tokeni
         flush=True,
     )
     return 0
+
+
+def batch_layout(loader, dims: ParallelDims, impl: str) -> BatchLayout:
+    """The run's rows -> this rank's (inputs, labels, documents): the loader's document
+    boundaries and this rank's context-parallel part (steps.BatchLayout)."""
+    return BatchLayout(
+        loader.boundaries,
+        cp=dims.cp,
+        cp_rank=dims.cp_rank,
+        cp_group=dims.cp_group,
+        align=token_align(impl, dims.tp),
+    )
 
 
 def dims_rank() -> int:
@@ -451,12 +464,8 @@ def run(cfg: Config) -> int:
     # Dry run / evaluation only: from here on they take their own path (no run directory
     # written, no training).
     if cfg.train.dry_run or cfg.train.eval_only:
-        # The recipe of the step after the newest checkpoint (recipe.switch).
-        switches = resolve_switches(cfg.recipe, schedule_steps(cfg))
-        first_step = 1 + (resume_step(cfg.checkpoint, run_dir, world_size) if switches else 0)
-        rcfg = recipe_for_step(cfg.recipe, first_step, schedule_steps(cfg))
         path = dry_run if cfg.train.dry_run else eval_only
-        return path(cfg, dims, grad_accum, impl, rcfg, device, run_dir, tokenizer, say)
+        return path(cfg, dims, grad_accum, impl, device, run_dir, tokenizer, say)
     # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
     # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
     run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
@@ -571,13 +580,7 @@ def run(cfg: Config) -> int:
         world_size=world_size,
         eval_every=cfg.eval.every if eval_batches is not None else 0,
     )
-    layout = BatchLayout(
-        loader.boundaries,
-        cp=dims.cp,
-        cp_rank=dims.cp_rank,
-        cp_group=dims.cp_group,
-        align=token_align(impl, dims.tp),
-    )
+    layout = batch_layout(loader, dims, impl)
     profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
     model.train()
     for step in range(start_step + 1, cfg.train.steps + 1):

@@ -177,28 +177,6 @@ def resumes(cfg: CheckpointConfig, run_dir: str | Path) -> bool:
     return True
 
 
-def resume_step(cfg: CheckpointConfig, run_dir: str | Path, world_size: int = 1) -> int:
-    """The step of the newest checkpoint `checkpoint.resume` names (0: none), from the
-    filesystem alone, for the paths that load nothing before they need the recipe (train.py's
-    dry run and evaluation: a `recipe.switch` run builds the recipe of the step after it).
-    Rank 0 reads, the others are told; training decides with `CheckpointManager.plan_resume`."""
-    step = 0
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        spec = str(cfg.resume)
-        if spec == "auto":
-            found = store.newest_step(checkpoint_root(cfg, run_dir))
-        elif spec != "none":
-            found = store.find_checkpoint(Path(spec).expanduser())
-        else:
-            found = None
-        step = found.step if found is not None else 0
-    if world_size > 1 and dist.is_initialized():
-        box = [step]
-        dist.broadcast_object_list(box, src=0)
-        step = box[0]
-    return step
-
-
 def _flatten(request: dict) -> dict[str, Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
