@@ -15,6 +15,7 @@ import pytest
 from tools.deps_met import ROOT, unmet
 
 VERSION = "0.1.0"
+MAKE_OVERRIDES = ("TORCH_SPEC", "TORCH_INDEX", "FORCE_INSTALL", "HAS_GPU")
 
 
 def fake_install(where: Path, url: str, version: str = VERSION) -> Path:
@@ -31,7 +32,10 @@ def make(target: str, site: Path, log: Path, *extra: str) -> subprocess.Complete
     pip = log.with_suffix(".sh")  # records its arguments, one call a line
     pip.write_text(f'#!/bin/sh\necho "$*" >>"{log}"\n')
     pip.chmod(0o755)
-    env = {**os.environ, "PYTHONPATH": str(site), "HAS_GPU": "no"}
+    # The caller's own Makefile overrides (CI exports TORCH_SPEC/TORCH_INDEX) are not this
+    # test's: it checks the Makefile's defaults.
+    inherited = {k: v for k, v in os.environ.items() if k not in MAKE_OVERRIDES}
+    env = {**inherited, "PYTHONPATH": str(site), "HAS_GPU": "no"}
     return subprocess.run(
         ["make", "-s", target, f"PYTHON={sys.executable}", f"PIP={pip}", *extra],
         cwd=ROOT,
