@@ -69,6 +69,10 @@ class TrainConfig:
     #: Evaluate only: load the run's newest checkpoint (or checkpoint.resume=PATH), print the
     #: loss on eval.batches held-out batches (even with eval.every=0), save nothing, exit.
     eval_only: bool = False
+    #: N > 0: Python's automatic garbage collection off in the training loop, a full
+    #: collection after every N-th step on every rank (runtime.GcSchedule; a collection on one
+    #: rank at its own moment delays all ranks at the next collective). 0: Python's default.
+    gc_every: int = 0
 
 
 @dataclass
@@ -211,6 +215,11 @@ def validate(cfg: Config) -> None:
         f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)",
     )
     _require(t.log_every > 0, f"train.log_every={t.log_every} must be > 0")
+    _require(
+        t.gc_every >= 0,
+        f"train.gc_every={t.gc_every} must be >= 0 (N: collect garbage after every N-th step; "
+        "0: Python's automatic collection)",
+    )
     _require(
         t.peak_tflops is None or t.peak_tflops > 0,
         f"train.peak_tflops={t.peak_tflops} must be > 0 (one device's peak dense bf16 TFLOP/s, "
@@ -427,16 +436,19 @@ RESUME_FREE = (
     "train.deterministic",
     "train.dry_run",
     "train.eval_only",
+    "train.gc_every",
     "parallel.name",
     "parallel.dp_replicate",
     "parallel.dp_shard",
     "parallel.tp",
     "parallel.cp",
     "parallel.cp_comm_type",
+    "parallel.cp_a2a_size",
     "parallel.reshard_after_forward",
     "parallel.sequence_parallel",
     "parallel.activation_checkpointing",
     "parallel.activation_checkpointing_every",
+    "parallel.nccl_high_priority",
     "checkpoint.",
     "logger.",
     "eval.",

@@ -4,6 +4,7 @@ starting train.py as a subprocess (for tools and test harnesses that need whole 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -106,6 +107,25 @@ def apply_determinism(on: bool) -> str | None:
     return line
 
 
+#: ProcessGroupNCCL reads this when it creates a communicator's stream.
+NCCL_HIGH_PRIORITY_ENV = "TORCH_NCCL_HIGH_PRIORITY"
+
+
+def apply_nccl_priority(on: bool, device: torch.device) -> str | None:
+    """`parallel.nccl_high_priority`: NCCL's streams at high priority, set in the environment
+    before train.run creates its process groups (communicators made by groups that exist
+    already keep theirs). Returns the start-up line, or None when off."""
+    if not on:
+        return None
+    os.environ[NCCL_HIGH_PRIORITY_ENV] = "1"
+    if device.type != "cuda":
+        return f"nccl: {NCCL_HIGH_PRIORITY_ENV}=1 set; no effect here (gloo on CPU)"
+    line = f"nccl: high-priority streams ({NCCL_HIGH_PRIORITY_ENV}=1)"
+    if dist.is_initialized():
+        line += "; warning: the default process group existed before, its streams may keep theirs"
+    return line
+
+
 def check_determinism(on: bool, impl: str, document_mask: bool, device: torch.device) -> None:
     """What train.deterministic cannot keep fast, refused in one line before any work. On
     sm_90, TE 2.20 has no deterministic fused backward for document-masked (THD) attention
@@ -131,6 +151,44 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+class GcSchedule:
+    """train.gc_every = N > 0: Python's automatic garbage collection is off during the training
+    loop and a full collection runs after every N-th step, on every rank at the same step.
+    Automatic collections start whenever the allocation counters of the rank's own process say
+    so; with several ranks a pause on one delays every rank at its next collective, at a
+    different step each time. Objects alive when the loop starts (model, optimizer, data) are
+    frozen (gc.freeze) so the collections skip them. 0: the collector as Python runs it. On
+    leaving, the collector is as it was (tools and tests call train.run several times)."""
+
+    def __init__(self, every: int, say=print):
+        self.every = every
+        self.say = say
+        self._was_enabled = None
+
+    def __enter__(self) -> GcSchedule:
+        if self.every > 0:
+            self._was_enabled = gc.isenabled()
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+            self.say(
+                f"gc: automatic collection off in the training loop; a full collection "
+                f"every {self.every} steps (train.gc_every)",
+                flush=True,
+            )
+        return self
+
+    def after(self, step: int) -> None:
+        if self.every > 0 and step % self.every == 0:
+            gc.collect()
+
+    def __exit__(self, *exc) -> None:
+        if self.every > 0:
+            gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
 
 
 class StopSignal:

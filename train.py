@@ -63,8 +63,10 @@ from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check
 from recipes.switch import label, recipe_for_step, resolve_switches
 from runtime import (
     EXIT_REQUEUE,
+    GcSchedule,
     StopSignal,
     apply_determinism,
+    apply_nccl_priority,
     check_determinism,
     deterministic_env,
     exit_status,
@@ -433,9 +435,12 @@ def run(cfg: Config) -> int:
             "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true",
             flush=True,
         )
-    line = apply_determinism(cfg.train.deterministic)
-    if line:
-        say(line, flush=True)
+    for line in (
+        apply_determinism(cfg.train.deterministic),
+        apply_nccl_priority(cfg.parallel.nccl_high_priority, device),
+    ):
+        if line:
+            say(line, flush=True)
 
     # 1. Processes. The group comes before the config check because step 2 runs on rank 0
     #    first (a download) and decides the model shape the check needs.
@@ -583,92 +588,98 @@ def run(cfg: Config) -> int:
     layout = batch_layout(loader, dims, impl)
     profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
     model.train()
-    for step in range(start_step + 1, cfg.train.steps + 1):
-        profiler.begin(step)
-        # Document boundaries and this rank's context-parallel part, on the CPU.
-        inputs, labels, documents = layout(loader.next_batch())
-        loss, grad_norm = train_step(
-            model,
-            optimizer,
-            to_device(inputs, device),
-            to_device(labels, device),
-            grad_accum=grad_accum,
-            grad_clip=cfg.optim.grad_clip,
-            scheduler=scheduler,
-            autocast=autocast,
-            documents=documents,
-        )
-        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
-        ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
-        if (trace := profiler.end(step)) is not None:
-            logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
+    # Python's garbage collector at fixed steps on every rank (train.gc_every), or as usual.
+    with GcSchedule(cfg.train.gc_every, say) as collector:
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            profiler.begin(step)
+            # Document boundaries and this rank's context-parallel part, on the CPU.
+            inputs, labels, documents = layout(loader.next_batch())
+            loss, grad_norm = train_step(
+                model,
+                optimizer,
+                to_device(inputs, device),
+                to_device(labels, device),
+                grad_accum=grad_accum,
+                grad_clip=cfg.optim.grad_clip,
+                scheduler=scheduler,
+                autocast=autocast,
+                documents=documents,
+            )
+            train_state.step, train_state.tokens_seen = (
+                step,
+                train_state.tokens_seen + tokens_per_step,
+            )
+            ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
+            if (trace := profiler.end(step)) is not None:
+                logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
 
-        last = step == cfg.train.steps
-        val_loss = None
-        if eval_batches is not None and (step % cfg.eval.every == 0 or last):
-            with clock.evaluation():
-                val_loss = evaluate(
-                    model,
-                    eval_batches,
-                    micro_batches=grad_accum,
-                    autocast=autocast,
-                    dp_group=dims.loss_group,
-                    layout=layout,
+            last = step == cfg.train.steps
+            val_loss = None
+            if eval_batches is not None and (step % cfg.eval.every == 0 or last):
+                with clock.evaluation():
+                    val_loss = evaluate(
+                        model,
+                        eval_batches,
+                        micro_batches=grad_accum,
+                        autocast=autocast,
+                        dp_group=dims.loss_group,
+                        layout=layout,
+                    )
+            stopping = False
+            switch_to = switches.get(step)
+            if step % cfg.train.log_every == 0 or last or val_loss is not None or switch_to:
+                if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
+                    dist.all_reduce(loss, group=dims.loss_group)
+                    loss /= dims.loss_size
+                # The one host sync per log step (loss and grad norm together).
+                loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+                logger.log(
+                    dict(
+                        step=step,
+                        loss=loss_value,
+                        val_loss=val_loss,
+                        grad_norm=norm_value,
+                        lr=scheduler.get_last_lr()[0],
+                        tokens_seen=train_state.tokens_seen,
+                        **clock.measure(step),
+                        mem_gb=peak_memory_gb(device),
+                        param_bytes_per_param=param_bytes / param_local_numel,
+                        eval_s=clock.eval_last if val_loss is not None else None,
+                        **ckpt.stats(),
+                        **({"recipe": label(recipe.cfg)} if switches else {}),
+                        **({"recipe_switch": f"-> {label(switch_to)}"} if switch_to else {}),
+                    )
                 )
-        stopping = False
-        switch_to = switches.get(step)
-        if step % cfg.train.log_every == 0 or last or val_loss is not None or switch_to:
-            if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
-                dist.all_reduce(loss, group=dims.loss_group)
-                loss /= dims.loss_size
-            # The one host sync per log step (loss and grad norm together).
-            loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-            logger.log(
-                dict(
-                    step=step,
-                    loss=loss_value,
-                    val_loss=val_loss,
-                    grad_norm=norm_value,
-                    lr=scheduler.get_last_lr()[0],
-                    tokens_seen=train_state.tokens_seen,
-                    **clock.measure(step),
-                    mem_gb=peak_memory_gb(device),
-                    param_bytes_per_param=param_bytes / param_local_numel,
-                    eval_s=clock.eval_last if val_loss is not None else None,
-                    **ckpt.stats(),
-                    **({"recipe": label(recipe.cfg)} if switches else {}),
-                    **({"recipe_switch": f"-> {label(switch_to)}"} if switch_to else {}),
-                )
-            )
-            ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
-            # Checked where the loop syncs anyway: a stop lands within log_every steps.
-            stopping = stop is not None and stop.agreed(device)
+                ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
+                # Checked where the loop syncs anyway: a stop lands within log_every steps.
+                stopping = stop is not None and stop.agreed(device)
 
-        ckpt.maybe_save(step, state, force=stopping or switch_to is not None)
-        if switch_to is not None and not (last or stopping):
-            old = label(recipe.cfg)
-            model = optimizer = scheduler = state = None  # freed before the new ones are built
-            with clock.evaluation():  # timed apart from the steps, as evaluations are
-                recipe, model, optimizer, scheduler, state = switch_recipe(
-                    cfg, switch_to, step, impl, dims, device, ckpt, loader, train_state, say
+            ckpt.maybe_save(step, state, force=stopping or switch_to is not None)
+            collector.after(step)  # while the GPU runs the step's queued kernels
+            if switch_to is not None and not (last or stopping):
+                old = label(recipe.cfg)
+                model = optimizer = scheduler = state = None  # freed before the new ones are built
+                with clock.evaluation():  # timed apart from the steps, as evaluations are
+                    recipe, model, optimizer, scheduler, state = switch_recipe(
+                        cfg, switch_to, step, impl, dims, device, ckpt, loader, train_state, say
+                    )
+                param_bytes, param_local_numel = parameter_storage(model)
+                if rank == 0:
+                    segment.record(
+                        run_dir, step, recipe=label(recipe.cfg), switch=old, device=device.type
+                    )
+                logger.info(
+                    f"recipe switch after step {step}: {old} -> {label(recipe.cfg)} "
+                    f"in {clock.eval_last:.1f}s"
                 )
-            param_bytes, param_local_numel = parameter_storage(model)
-            if rank == 0:
-                segment.record(
-                    run_dir, step, recipe=label(recipe.cfg), switch=old, device=device.type
+            if stopping:
+                logger.info(
+                    f"stop signal {stop.describe(world_size)}: checkpoint at step {step} saved; "
+                    f"every rank exits with status {EXIT_REQUEUE} for requeue"
                 )
-            logger.info(
-                f"recipe switch after step {step}: {old} -> {label(recipe.cfg)} "
-                f"in {clock.eval_last:.1f}s"
-            )
-        if stopping:
-            logger.info(
-                f"stop signal {stop.describe(world_size)}: checkpoint at step {step} saved; "
-                f"every rank exits with status {EXIT_REQUEUE} for requeue"
-            )
-            ckpt.finish(step, state, save=False)
-            logger.finish()
-            return EXIT_REQUEUE
+                ckpt.finish(step, state, save=False)
+                logger.finish()
+                return EXIT_REQUEUE
     ckpt.finish(cfg.train.steps, state)
     logger.finish()
     if start_step < cfg.train.steps:

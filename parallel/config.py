@@ -43,3 +43,7 @@ class ParallelConfig:
     activation_checkpointing: str = "none"
     #: Apply activation_checkpointing to every N-th block only (1: all blocks).
     activation_checkpointing_every: int = 1
+    #: NCCL's streams at high CUDA priority (TORCH_NCCL_HIGH_PRIORITY=1, set by train.py
+    #: before it creates its process groups), so communication kernels are scheduled ahead
+    #: of the compute kernels they overlap with. No effect on gloo (CPU).
+    nccl_high_priority: bool = False

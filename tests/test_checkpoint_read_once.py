@@ -6,14 +6,16 @@ by exactly one rank. Sync saves go through the staging buffer (the async writer'
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import checkpoint.manager as manager_mod
 from checkpoint import hashing, store
-from checkpoint.reader import CheckpointReader
+from checkpoint.reader import CheckpointReader, _ItemFraming
 from errors import ConfigError
 from tests.ckpt_harness import Run, committed
 from tests.distributed import run_distributed
@@ -61,7 +63,69 @@ def test_resume_reads_each_byte_once_and_continues_bitwise(tmp_path, readers, mo
     (reader,) = readers
     assert reader.verify and sorted(reader.verified) == sorted(files)
     assert reader.bytes_read == sum(files.values())  # every data byte, once
+    assert reader._framing.views > 0  # items were loaded without torch.load's copy
     assert any("verified the hashes of" in m and "as they were loaded" in m for m in run.messages)
+
+
+def _item_equal(a, b) -> bool:
+    if not isinstance(a, torch.Tensor):
+        return a == b
+    return (
+        type(b) is torch.Tensor
+        and (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def _saved(t) -> memoryview:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return memoryview(bytearray(buf.getvalue()))
+
+
+def test_item_views_equal_torch_load(tmp_path):
+    """Every item of a checkpoint this recipe wrote, and items of plain torch.save (zip CRCs and
+    a per-save id that differ item to item), read through _ItemFraming equal torch.load's
+    tensors (dtype, shape, strides, bytes); a same-length item of another shape, or with a
+    changed byte before its data, is not taken for a known one."""
+    Run(tmp_path).train(2)
+    ckpt = tmp_path / "checkpoints" / "step_0000002"
+    storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    framing = _ItemFraming()
+    for info in sorted(storage.values(), key=lambda i: (i.relative_path, i.offset)):
+        with open(ckpt / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = memoryview(bytearray(f.read(info.length)))
+        want = torch.load(io.BytesIO(data), weights_only=True)
+        assert _item_equal(want, framing.tensor(data)), info
+    assert framing.views > 0
+
+    framing = _ItemFraming()
+    gen = torch.Generator().manual_seed(0)
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)  # what other writers leave on
+    try:
+        items = [_saved(torch.randn(128, 256, generator=gen)) for _ in range(6)]
+        items.append(_saved(torch.randn(256, 128, generator=gen)))  # same length, other shape
+        items.append(_saved(torch.randn(128, 256, generator=gen).t()))  # transposed storage
+        items.append(_saved(torch.randn(128, 256, generator=gen).to(torch.bfloat16).view(-1)))
+        changed = _saved(torch.randn(128, 256, generator=gen))
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    for data in items:
+        got = framing.tensor(data)
+        assert _item_equal(torch.load(io.BytesIO(data), weights_only=True), got)
+    assert framing.views >= 2
+    # The pickled shape (128, 256) changed to (256, 128), same length: torch.load refuses the
+    # strides (256, 1) for it; a view of the data record would have been taken silently.
+    p = bytes(changed).index(b"K\x80M\x00\x01\x86")
+    changed[p : p + 5] = b"M\x00\x01K\x80"
+    views = framing.views
+    with pytest.raises(RuntimeError):
+        torch.load(io.BytesIO(changed), weights_only=True)
+    with pytest.raises(RuntimeError):
+        framing.tensor(changed)
+    assert framing.views == views
 
 
 def test_checksum_false_reads_only_the_items(tmp_path, readers):

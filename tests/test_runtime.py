@@ -1,13 +1,25 @@
 """runtime.check_determinism: the combination TE cannot keep fused on sm_90 is refused in one
-line; every other combination passes."""
+line; every other combination passes. runtime.GcSchedule (train.gc_every) collects at its
+steps only and changes no loss; parallel.nccl_high_priority sets its variable."""
 
 from __future__ import annotations
+
+import gc
+import os
 
 import pytest
 import torch
 
 from errors import ConfigError
-from runtime import check_determinism
+from runlog import read_metrics
+from runtime import (
+    NCCL_HIGH_PRIORITY_ENV,
+    GcSchedule,
+    apply_nccl_priority,
+    check_determinism,
+    launch,
+)
+from tests.helpers import CPU_ENV, TINY_RUN
 
 
 def test_deterministic_documents_on_sm90_te_are_refused(monkeypatch):
@@ -26,3 +38,65 @@ def test_deterministic_documents_on_sm90_te_are_refused(monkeypatch):
     check_determinism(True, "te", True, torch.device("cpu"))
     capability["value"] = (10, 0)
     check_determinism(True, "te", True, cuda)
+
+
+def test_gc_schedule_collects_after_its_steps_only():
+    starts = []
+
+    def record(phase, info):
+        if phase == "start":
+            starts.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.callbacks.append(record)
+    try:
+        with GcSchedule(3, say=lambda *a, **k: None) as collector:
+            assert not gc.isenabled() and gc.get_freeze_count() > 0
+            starts.clear()
+            during = []
+            for step in range(1, 10):
+                junk = [[] for _ in range(5000)]  # cycles: automatic gen-0 collections due
+                for j in junk:
+                    j.append(j)
+                del junk
+                before = len(starts)
+                collector.after(step)
+                during.append(len(starts) - before)
+            assert during == [0, 0, 1, 0, 0, 1, 0, 0, 1]
+            assert starts == [2, 2, 2]  # full collections, none automatic in between
+        assert gc.isenabled() == was and gc.get_freeze_count() == 0
+        with GcSchedule(0) as collector:  # off: Python's collector untouched
+            assert gc.isenabled() == was and gc.get_freeze_count() == 0
+            starts.clear()
+            collector.after(3)
+            assert starts == []
+    finally:
+        gc.callbacks.remove(record)
+
+
+def test_nccl_priority_sets_its_variable(monkeypatch):
+    monkeypatch.delenv(NCCL_HIGH_PRIORITY_ENV, raising=False)
+    assert apply_nccl_priority(False, torch.device("cpu")) is None
+    assert NCCL_HIGH_PRIORITY_ENV not in os.environ
+    line = apply_nccl_priority(True, torch.device("cpu"))
+    assert os.environ[NCCL_HIGH_PRIORITY_ENV] == "1" and "no effect here" in line
+
+
+def test_gc_every_and_nccl_priority_change_no_loss(tmp_path):
+    """train.py with both levers on: the same losses, bit for bit, as without."""
+    losses = {}
+    for name, extra in (
+        ("plain", []),
+        ("levers", ["train.gc_every=2", "parallel.nccl_high_priority=true"]),
+    ):
+        r = launch(
+            [f"run.root={tmp_path}", f"run.name={name}", "train.steps=5", *TINY_RUN, *extra],
+            env=CPU_ENV,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
+        if extra:
+            assert "a full collection every 2 steps (train.gc_every)" in r.stdout
+            assert f"nccl: {NCCL_HIGH_PRIORITY_ENV}=1 set" in r.stdout
+    assert len(losses["plain"]) == 5 and losses["levers"] == losses["plain"]
