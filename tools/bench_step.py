@@ -16,9 +16,18 @@ distribution with mean N), on data=synthetic with document-masked attention, or 
     python tools/bench_step.py --case llama3_1b:fsdp:bf16:none:4:causal \
         --case llama3_1b:fsdp:bf16:none:4:fixed/8192 --case llama3_1b:fsdp:bf16:none:4:exp/2048
 
-Without it a case trains on the embedded data with train.py's default masking. Each case runs
-`train.py` in its own process (or torchrun job) with `checkpoint=none`, global batch = micro
-batch x data-parallel size (no accumulation), `--steps` steps logged every step; the figures
+Without it a case trains on the embedded data with train.py's default masking. A case may end
+in train.py overrides of its own, each after an `@` (they win over the common ones), e.g. the
+levers of one recipe side by side:
+
+    python tools/bench_step.py --nproc 2 --global-batch 128 --steps 5 --warmup 2 \
+        --case llama3_8b:fsdp:fp8_cs+q:selective:2 \
+        --case llama3_8b:fsdp:fp8_cs+q:selective:2@parallel.reduce_dtype=bf16 \
+        --case llama3_8b:fsdp:fp8_cs+q:selective:2@train.gc_every=20
+
+Each case runs `train.py` in its own process (or torchrun job) with `checkpoint=none`, global
+batch = micro batch x data-parallel size (no accumulation) unless `--global-batch` sets it
+(then each step accumulates), `--steps` steps logged every step; the figures
 are the medians over the steps after `--warmup` (tokens/s per device and MFU as train.py
 reports them: MFU against the GPU's dense bf16 peak, 989 TFLOP/s on H100/H200), and the peak
 allocated memory of the run. Prints one markdown table last; `--json` appends one record
@@ -76,8 +85,11 @@ def parse_documents(text: str) -> dict:
 
 
 def parse_case(text: str) -> dict:
+    head, *extra = text.split("@")
     try:
-        model, layout, recipe, ac, mbs, *documents = text.split(":")
+        if any("=" not in e for e in extra):
+            raise ValueError(text)
+        model, layout, recipe, ac, mbs, *documents = head.split(":")
         if len(documents) > 1:
             raise ValueError(text)
         mode, _, every = ac.partition("/")
@@ -92,11 +104,12 @@ def parse_case(text: str) -> dict:
             mbs=int(mbs),
             documents=documents[0] if documents else "",
             data=parse_documents(documents[0] if documents else ""),
+            extra=extra,
         )
     except ValueError:
         raise SystemExit(
             f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp|selective[/N]:"
-            "micro_batch[:causal|fixed/N|exp/N]"
+            "micro_batch[:causal|fixed/N|exp/N][@key=value...]"
         ) from None
 
 
@@ -112,7 +125,7 @@ def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
         f"parallel={case['layout']}",
         f"recipe={case['recipe']}",
         f"train.micro_batch_size={case['mbs']}",
-        f"train.global_batch_size={case['mbs'] * nproc}",
+        f"train.global_batch_size={args.global_batch or case['mbs'] * nproc}",
         f"data.seq_len={args.seq}",
         f"train.steps={args.steps}",
         "train.log_every=1",
@@ -131,7 +144,7 @@ def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
         out.append(f"parallel.tp={min(nproc, 2)}")
     if args.profile_steps:
         out.append(f"train.profile_steps=[{','.join(map(str, profiled_steps(args)))}]")
-    return out + list(args.overrides)
+    return out + list(args.overrides) + case["extra"]  # the case's own overrides win
 
 
 def run_case(case: dict, args, run_root: str) -> dict:
@@ -151,7 +164,14 @@ def run_case(case: dict, args, run_root: str) -> dict:
     if metrics.exists():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steady = [r for r in records if r["step"] > args.warmup]
-    result = dict(case, nproc=args.nproc, seq=args.seq, wall_s=round(wall, 1), repo=str(repo))
+    result = dict(
+        case,
+        nproc=args.nproc,
+        seq=args.seq,
+        global_batch=args.global_batch or case["mbs"] * args.nproc,
+        wall_s=round(wall, 1),
+        repo=str(repo),
+    )
     if proc.returncode != 0 or not steady:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
         result["error"] = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1:] or "?")
@@ -180,7 +200,9 @@ def run_case(case: dict, args, run_root: str) -> dict:
 
 def table(results: list[dict]) -> str:
     docs = any(r.get("documents") for r in results)
+    extra = any(r.get("extra") for r in results)
     head = "| model | layout | GPUs | recipe | act. ckpt | mbs |" + (" documents |" if docs else "")
+    head += " overrides |" if extra else ""
     head += " tokens/s/GPU | MFU | peak GiB |"
     rows = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in results:
@@ -189,6 +211,8 @@ def table(results: list[dict]) -> str:
         lead = f"| {r['model']} | {r['layout']} | {r['nproc']} | {recipe} | {ac} | {r['mbs']} |"
         if docs:
             lead += f" {r.get('documents') or 'default data'} |"
+        if extra:
+            lead += f" {' '.join(r.get('extra') or []) or '-'} |"
         if "error" in r:
             rows.append(f"{lead} FAILED: {str(r['error'])[:120]} | | |")
             continue
@@ -202,6 +226,11 @@ def main(argv=None) -> int:
     p.add_argument("--case", action="append", help="model:layout:recipe[+q]:ac[/N]:mbs")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per optimizer step (gradient accumulation); default micro batch x ranks",
+    )
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repo", help="run another checkout's train.py (before/after comparisons)")
