@@ -449,6 +449,7 @@ RESUME_FREE = (
     "parallel.activation_checkpointing",
     "parallel.activation_checkpointing_every",
     "parallel.nccl_high_priority",
+    "parallel.grad_reduce",
     "checkpoint.",
     "logger.",
     "eval.",

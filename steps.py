@@ -107,14 +107,21 @@ def train_step(
     autocast: AbstractContextManager | None = None,
     loss_fn=next_token_loss,
     documents: Documents | None = None,
+    reduce_each_micro_batch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's rows: forward and backward over `grad_accum` micro
     batches, clip, step, zero the gradients, advance the schedule. Returns (loss, grad_norm)
     as 0-d tensors on the device (no host sync): the loss is this rank's mean; the caller
     averages it over data-parallel ranks when it logs. `documents`: the document boundaries
-    of `inputs` (CPU, data.documents), split into micro batches as the inputs are."""
+    of `inputs` (CPU, data.documents), split into micro batches as the inputs are.
+    `reduce_each_micro_batch=False` (parallel.grad_reduce=step): an FSDP2 model reduces its
+    gradients once, in the last micro batch's backward, the earlier ones summed unsharded."""
     step_loss = torch.zeros((), device=inputs.device)
-    for x, y, d in split_micro_batches(inputs, labels, documents, grad_accum, inputs.device):
+    once = not reduce_each_micro_batch and grad_accum > 1 and isinstance(model, FSDPModule)
+    micro = split_micro_batches(inputs, labels, documents, grad_accum, inputs.device)
+    for i, (x, y, d) in enumerate(micro):
+        if once:  # every FSDP unit of the model; True again for the last micro batch
+            model.set_requires_gradient_sync(i == len(micro) - 1)
         with autocast if autocast is not None else nullcontext():
             loss = micro_batch_loss(loss_fn, model, x, y, d)
         (loss / grad_accum).backward()

@@ -604,6 +604,7 @@ def run(cfg: Config) -> int:
                 scheduler=scheduler,
                 autocast=autocast,
                 documents=documents,
+                reduce_each_micro_batch=cfg.parallel.grad_reduce == "micro_batch",
             )
             train_state.step, train_state.tokens_seen = (
                 step,

@@ -43,6 +43,12 @@ class ParallelConfig:
     activation_checkpointing: str = "none"
     #: Apply activation_checkpointing to every N-th block only (1: all blocks).
     activation_checkpointing_every: int = 1
+    #: With gradient accumulation, when FSDP2 reduces gradients: micro_batch (after every
+    #: micro batch's backward: sharded gradients only, the least memory) | step (once, after
+    #: the last micro batch: each rank sums its unsharded gradients locally first, one full
+    #: gradient copy per rank in the reduce dtype, one reduce-scatter per step instead of one
+    #: per micro batch). Reduction order only: the sums agree to rounding.
+    grad_reduce: str = "micro_batch"
     #: NCCL's streams at high CUDA priority (TORCH_NCCL_HIGH_PRIORITY=1, set by train.py
     #: before it creates its process groups), so communication kernels are scheduled ahead
     #: of the compute kernels they overlap with. No effect on gloo (CPU).

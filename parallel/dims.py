@@ -38,6 +38,8 @@ from parallel.config import ParallelConfig
 DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 #: TE's context-parallel communication types (parallel.cp_comm_type).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+#: parallel.grad_reduce: after every micro batch, or once per optimizer step.
+GRAD_REDUCE = ("micro_batch", "step")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 
@@ -116,6 +118,11 @@ class ParallelDims:
         check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)
         dtype_of(cfg.param_dtype, "param_dtype")
         dtype_of(cfg.reduce_dtype, "reduce_dtype")
+        if cfg.grad_reduce not in GRAD_REDUCE:
+            raise ConfigError(
+                f"parallel.grad_reduce={cfg.grad_reduce!r} is not one of "
+                f"{', '.join(GRAD_REDUCE)} (when gradients are reduced under accumulation)"
+            )
         return degrees["dp_replicate"], degrees["dp_shard"], degrees["cp"], degrees["tp"]
 
     def validate_model(self, mcfg: ModelConfig) -> None:

@@ -266,7 +266,7 @@ cpseq() {
     stage "longest sequence that trains (llama3_1b bf16, 3 steps, micro batch 1), per layout"
     echo "| layout | GPUs | longest seq | peak GiB there |"
     echo "|---|---|---|---|"
-    local layout n case_ best peak
+    local layout name n case_ best peak
     for layout in "cp1:1:llama3_1b:fsdp:bf16:none:1" "fsdp2:2:llama3_1b:fsdp:bf16:none:1" \
                   "cp2:2:llama3_1b:fsdp:bf16:none:1@parallel.cp=2" \
                   "cp2+full:2:llama3_1b:fsdp:bf16:full:1@parallel.cp=2"; do
@@ -296,7 +296,8 @@ levers() {
         cases=(llama3_8b:fsdp:bf16:none:"$m" llama3_8b:fsdp:bf16:selective:"$m"
                llama3_8b:fsdp:fp8_delayed:none:"$m" llama3_8b:fsdp:fp8_delayed:selective:"$m"
                llama3_8b:fsdp:fp8_cs+q:none:"$m" "$base"
-               "$base@parallel.reduce_dtype=bf16" "$base@parallel.reshard_after_forward=false"
+               "$base@parallel.grad_reduce=step" "$base@parallel.reduce_dtype=bf16"
+               "$base@parallel.reshard_after_forward=false"
                "$base@parallel.activation_checkpointing_every=2" "$base@train.gc_every=1"
                "$base@parallel.nccl_high_priority=true")
     fi
