@@ -44,9 +44,11 @@ class CheckpointConfig:
     #: 2 lets a save be staged while the previous one is written; 2 drops to 1 when host
     #: memory is short (logged).
     staging_buffers: int = 2
-    #: Files written in parallel per rank (one writer thread each).
+    #: Files written in parallel per rank (one writer thread each); a resume reads as many at
+    #: once, each with a read-ahead thread (host memory: two of the file's largest items).
     write_threads: int = 4
-    #: fsync every file before the checkpoint is committed.
+    #: fsync every file before the checkpoint is committed (and start the disk writing each
+    #: file every 256 MiB as it is written, so the fsync waits for the tail only).
     sync_files: bool = True
 
 

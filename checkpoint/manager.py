@@ -767,7 +767,7 @@ class CheckpointManager:
             self._log(
                 f"verified the hashes of {len(files)} files ({size / 2**30:.2f} GiB) of {path} "
                 f"as they were loaded ({time.perf_counter() - t0:.2f}s, this rank read "
-                f"{reader.bytes_read / 2**30:.2f} GiB)"
+                f"{reader.bytes_read / 2**30:.2f} GiB; {reader.phases()})"
             )
         for key, part in state.items():
             part.load_state_dict(request[key])

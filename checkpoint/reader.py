@@ -8,11 +8,14 @@ reads one copy in about 7 s). `CheckpointReader` reads each byte once:
   file with a recorded hash is given to one rank to verify, the rank that reads most of its
   bytes (at the same world size, the rank that wrote it), so the bytes a verifier reads beyond
   its own items are few; a file no rank reads goes round robin;
-- reading (`read_data`): this rank's files in parallel (`threads`), each front to back. A file
-  this rank verifies is read whole, in order: every item it loads goes through the hasher on
-  its way to torch.load, and the bytes between and after them (other ranks' items, the
-  trailer) are hashed as they pass; the other files are read item by item. Each saved item is
-  read and deserialized once, however many of this rank's read requests cover it (a reshard);
+- reading (`read_data`): this rank's files in parallel (`threads`), each front to back, with a
+  read-ahead thread per file (`_ReadAhead`) reading the next item while the file's thread
+  hashes and loads the previous one. A file this rank verifies is read whole, in order: every
+  item it loads goes through the hasher, and the bytes between and after them (other ranks'
+  items, the trailer) are hashed as they pass; the other files are read item by item. Each
+  saved item is read once, however many of this rank's read requests cover it (a reshard),
+  and a tensor item is a view of its bytes in the read buffer (`_ItemTensors`), so the copy
+  into the model's tensor is the only copy;
 - a file that fails its hash, or an item that cannot be deserialized, is recorded in
   `problems` (the file's hash is still completed, so a corrupted item is reported as a hash
   failure, not as a torch.load error) and `read_data` raises `DamagedCheckpoint` after the
@@ -26,16 +29,18 @@ is saved; the manager raises before any Stateful's load_state_dict runs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
+import queue
+import sys
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -77,108 +82,219 @@ class _ItemBuffer:
         return memoryview(self._buf)[:n]
 
 
-def _read_into(f, view: memoryview, n: int) -> memoryview:
-    got = 0
-    while got < n:
-        more = f.readinto(view[got : got + min(n - got, _MAX_READ)])
-        if not more:
-            raise EOFError(f"file ends {n - got} bytes early")
-        got += more
-    return view
-
-
-class _Framing:
-    """What one kind of saved tensor item looks like around its data record (`_ItemFraming`)."""
-
-    def __init__(self, data: memoryview, p: int, q: int, t: torch.Tensor):
-        self.before = bytes(data[:p])
-        self.after = np.frombuffer(bytes(data[q:]), dtype=np.uint8)
-        self.varies = np.zeros(len(self.after), dtype=bool)
-        self.kind = (t.dtype, tuple(t.shape), tuple(t.stride()))
-
-    def differs(self, data: memoryview) -> np.ndarray:
-        """Positions of the bytes after the data record that differ from the kept ones."""
-        after = np.frombuffer(data[len(data) - len(self.after) :], dtype=np.uint8)
-        return after != self.after
-
-
-class _ItemFraming:
-    """Tensors from saved items without torch.load's copy. A saved tensor item is torch.save's
-    zip archive: a data record between bytes that describe it (zip headers, the pickled rebuild
-    call with dtype, shape and strides, the central directory, the CRCs and a per-save id).
-    The first items of a length are loaded with torch.load; where the result is a plain
-    contiguous tensor whose data is the archive's data record (checked byte for byte), the
-    bytes before the record and after it are kept. A later item of that length with the same
-    bytes before its record (so the same rebuild call, record offset and size) and the same
-    bytes after it, except at positions already seen to differ between two items that
-    torch.load read to the same dtype, shape and strides (CRCs, ids), gives a view of its data
-    record. Any other item is loaded with torch.load (and may add to those positions)."""
-
-    #: Items below this size always go through torch.load (nothing to gain).
-    MIN_BYTES = 1 << 16
-    #: Framings kept per item length.
-    PER_LENGTH = 4
+class _Phases:
+    """Seconds spent per phase of a file's read (`CheckpointReader.phase_s` sums them)."""
 
     def __init__(self):
-        self._known: dict[int, list[_Framing]] = {}
-        self._lock = threading.Lock()
-        self.views = 0  # items given as views of their data record (no torch.load)
+        self.seconds: dict[str, float] = defaultdict(float)
 
-    def tensor(self, data: memoryview) -> torch.Tensor:
-        n = len(data)
-        for f in self._known.get(n, ()) if n >= self.MIN_BYTES else ():
-            p = len(f.before)
-            if data[:p] == f.before and not (f.differs(data) & ~f.varies).any():
-                dtype, shape, stride = f.kind
-                raw = torch.frombuffer(data[p : n - len(f.after)], dtype=torch.uint8)
-                self.views += 1  # under the GIL: exact enough for a count
-                return raw.view(dtype).as_strided(shape, stride)
-        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if n >= self.MIN_BYTES:
-            self._learn(data, loaded)
-        return loaded
-
-    def _learn(self, data: memoryview, t) -> None:
-        """Keep the framing of `data`, which torch.load read to `t`, if its data record is
-        `t`'s bytes: a new one, or the positions where it differs from a kept one with the
-        same bytes before the record added to that one's varying positions."""
-        if (
-            type(t) is not torch.Tensor
-            or t.layout != torch.strided
-            or t.storage_offset() != 0
-            or not t.is_contiguous()
-            or t.untyped_storage().nbytes() != t.nbytes
-            or t.is_conj()
-            or t.is_neg()
-        ):
-            return
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
         try:
-            archive = torch._C.PyTorchFileReader(io.BytesIO(data))
-            names = [r for r in archive.get_all_records() if r.endswith("data/0")]
-            if len(names) != 1:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+
+_END = object()
+
+
+class _ReadAhead:
+    """One file's bytes in file order, read on a thread of its own one segment ahead of the
+    consumer: each item (with its read requests) into one of two item buffers, and for a
+    verified file the bytes between and after the items in `_SKIP_CHUNK` pieces (requests
+    None: hashed only). Iterating gives (bytes, requests); a segment's buffer is handed back
+    when the next one is asked for, so a file holds at most twice its largest item. A read
+    error or a short file is raised to the consumer where the segment would have come."""
+
+    def __init__(self, path: Path, items: list, verify: bool):
+        self._f = open(path, "rb", buffering=0)
+        self._items = items
+        self._verify = verify
+        self._free_items: queue.SimpleQueue = queue.SimpleQueue()
+        self._free_chunks: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(2):
+            self._free_items.put(_ItemBuffer())
+        for _ in range(2):
+            self._free_chunks.put(bytearray(_SKIP_CHUNK))
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.read_s = 0.0  # in read calls (the read-ahead thread)
+        self.wait_s = 0.0  # the consumer waiting for a segment (reading is the bottleneck)
+        self.nbytes = 0
+        self._thread = threading.Thread(target=self._run, name="ckpt-read-ahead", daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        while True:
+            t0 = time.perf_counter()
+            entry = self._ready.get()
+            self.wait_s += time.perf_counter() - t0
+            if entry is _END:
                 return
-            p = archive.get_record_offset(names[0])
-        except (AttributeError, RuntimeError):  # a torch without record offsets: torch.load
-            return
-        q = p + t.nbytes
-        raw = t.reshape(-1).view(torch.uint8)
-        if q > len(data) or not torch.equal(torch.frombuffer(data[p:q], dtype=torch.uint8), raw):
-            return
-        kind = (t.dtype, tuple(t.shape), tuple(t.stride()))
-        with self._lock:
-            kept = self._known.setdefault(len(data), [])
-            for f in kept:
-                if len(f.before) == p and data[:p] == f.before:
-                    if f.kind == kind:
-                        f.varies |= f.differs(data)
+            if isinstance(entry, BaseException):
+                raise entry
+            data, group, home, buf = entry
+            yield data, group
+            home.put(buf)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._free_items.put(None)
+        self._free_chunks.put(None)
+        self._thread.join()
+        self._f.close()
+
+    def _take(self, free: queue.SimpleQueue):
+        buf = free.get()
+        return None if buf is None or self._stop.is_set() else buf
+
+    def _read(self, view: memoryview, n: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            got = 0
+            while got < n:
+                more = self._f.readinto(view[got : got + min(n - got, _MAX_READ)])
+                if not more:
+                    break
+                got += more
+            self.nbytes += got
+            return got
+        finally:
+            self.read_s += time.perf_counter() - t0
+
+    def _run(self) -> None:
+        try:
+            pos = 0
+            for (offset, length), group in self._items:
+                if self._verify:
+                    if not self._skip(offset - pos):
+                        return
+                else:
+                    self._f.seek(offset)
+                buf = self._take(self._free_items)
+                if buf is None:
                     return
-            if len(kept) < self.PER_LENGTH:
-                kept.append(_Framing(data, p, q, t))
+                view = buf.get(length)
+                got = self._read(view, length)
+                if got < length:
+                    raise EOFError(f"file ends {length - got} bytes early")
+                self._ready.put((view, group, self._free_items, buf))
+                pos = offset + length
+            if self._verify and not self._skip(None):
+                return
+            self._ready.put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._ready.put(e)
+
+    def _skip(self, n: int | None) -> bool:
+        """Queue the next `n` bytes (None: to the end of the file) for hashing only; False
+        when stopped."""
+        done = 0
+        while n is None or done < n:
+            buf = self._take(self._free_chunks)
+            if buf is None:
+                return False
+            want = _SKIP_CHUNK if n is None else min(_SKIP_CHUNK, n - done)
+            got = self._read(memoryview(buf), want)
+            if got:
+                self._ready.put((memoryview(buf)[:got], None, self._free_chunks, buf))
+                done += got
+            else:
+                self._free_chunks.put(buf)
+            if got < want:
+                if n is not None:
+                    raise EOFError(f"file ends {n - done} bytes early")
+                break
+        return True
+
+
+class _ViewFile(io.RawIOBase):
+    """A read-only file over a memoryview: torch.load and torch's zip reader read an item
+    through it without the copy io.BytesIO would make."""
+
+    def __init__(self, data: memoryview):
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._data) - self._pos))
+        memoryview(b).cast("B")[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class _ItemTensors:
+    """Tensors of saved items without torch.load's copy. A saved tensor item is torch.save's
+    zip archive; its storage's bytes are one record of it. torch.load with the meta device
+    reads only the pickled description (dtype, shape, strides, storage offset) and says where
+    the storage's record starts (`_checkpoint_offset`, torch's own record offset); the tensor
+    is that description laid over the record's bytes in the item buffer, which is what
+    torch.load would have copied out when the archive's byte order is this machine's.
+    Anything else (other objects, several storages, another byte order, a torch that gives no
+    offset) goes through torch.load."""
+
+    def __init__(self):
+        self.views = 0  # items given as views of their record (no torch.load copy)
+        self.loads = 0  # items copied out by torch.load
+
+    def tensor(self, data: memoryview):
+        view = self._view(data)
+        if view is not None:
+            self.views += 1  # under the GIL: exact enough for a count
+            return view
+        self.loads += 1
+        return torch.load(_ViewFile(data), map_location="cpu", weights_only=True)
+
+    @staticmethod
+    def _view(data: memoryview) -> torch.Tensor | None:
+        meta = torch.load(_ViewFile(data), map_location="meta", weights_only=True)
+        if type(meta) is not torch.Tensor or meta.layout != torch.strided:
+            return None
+        storage = meta.untyped_storage()
+        start = getattr(storage, "_checkpoint_offset", None)
+        end = None if start is None else start + storage.nbytes()
+        if end is None or end > len(data) or meta.is_conj() or meta.is_neg():
+            return None
+        archive = torch._C.PyTorchFileReader(_ViewFile(data))
+        records = archive.get_all_records()
+        if sum(r.split("/")[-2:-1] == ["data"] for r in records) != 1:
+            return None  # one storage: the one described
+        if "byteorder" not in records or archive.get_record("byteorder") != sys.byteorder.encode():
+            return None  # torch.load would byte-swap, or assume an order
+        if end == start:
+            return None
+        raw = torch.frombuffer(data[start:end], dtype=torch.uint8).view(meta.dtype)
+        return raw.as_strided(meta.shape, meta.stride(), meta.storage_offset())
 
 
 class CheckpointReader(FileSystemReader):
     def __init__(
-        self, path: str | os.PathLike, *, manifest: dict | None, verify: bool, threads: int = 4
+        self,
+        path: str | os.PathLike,
+        *,
+        manifest: dict | None,
+        verify: bool,
+        threads: int = 4,
     ):
         super().__init__(path)
         self.root = Path(path)
@@ -191,8 +307,20 @@ class CheckpointReader(FileSystemReader):
         self.verified: list[str] = []  # files this rank hashed
         self.bytes_read = 0
         self.read_s = 0.0
+        #: Seconds per phase, summed over the files: read (the read-ahead threads' read
+        #: calls), wait (consumers waiting for bytes), hash, deserialize, copy (into place).
+        self.phase_s: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._framing = _ItemFraming()
+        self._tensors = _ItemTensors()
+
+    def phases(self) -> str:
+        """Where this rank's read time went, summed over its files (they are read in parallel,
+        so the sums exceed the wall time): e.g. `per file, summed: read 30.1s, waiting for
+        bytes 5.2s, hash 1.0s, deserialize 0.4s, copy 3.9s`."""
+        order = ("read", "wait", "hash", "deserialize", "copy")
+        names = {"wait": "waiting for bytes"}
+        parts = [f"{names.get(k, k)} {self.phase_s[k]:.1f}s" for k in order if k in self.phase_s]
+        return "per file, summed: " + ", ".join(parts) if parts else "nothing read"
 
     # -- planning -----------------------------------------------------------------------------
 
@@ -273,9 +401,9 @@ class CheckpointReader(FileSystemReader):
 
     def _read_file(self, planner, rel: str, reqs: list, verify: bool) -> None:
         """Read one file: its requested items (each once) and, when verifying, every other byte
-        too, hashed in file order; record a failed hash or an unreadable item. Items are read
-        into one buffer per call, reused from item to item (`_ItemBuffer`)."""
-        buffers = _ItemBuffer()
+        too, hashed in file order; record a failed hash or an unreadable item. A read-ahead
+        thread reads the file's segments in order (`_ReadAhead`) while this thread hashes and
+        loads the previous one, so the disk is kept busy while items are copied into place."""
         items: dict[tuple[int, int], list] = defaultdict(list)
         for req in reqs:
             info = self.storage_data[req.storage_index]
@@ -289,37 +417,35 @@ class CheckpointReader(FileSystemReader):
                 self._problem(rel, str(e), "error")
                 hasher, verify = None, False
         failure: BaseException | None = None
-        nbytes = 0
+        timer = _Phases()
+        ahead = None
         try:
-            with open(self.root / rel, "rb", buffering=0) as f:
-                pos = 0
-                for (offset, length), group in sorted(items.items()):
-                    if verify:
-                        pos += self._skip(f, offset - pos, hasher)
-                    else:
-                        f.seek(offset)
-                    data = _read_into(f, buffers.get(length), length)
-                    nbytes += length
-                    pos = offset + length
-                    if hasher is not None:
+            ahead = _ReadAhead(self.root / rel, sorted(items.items()), verify)
+            for data, group in ahead:
+                if hasher is not None:
+                    with timer("hash"):
                         hasher.update(data)
-                    if failure is None:
-                        try:
-                            self._load_item(planner, group, data, self._framing)
-                        except Exception as e:  # a corrupted item: the hash decides below
-                            failure = e
-                            if not verify:
-                                raise
-                if verify:
-                    nbytes += self._skip(f, None, hasher)
+                if group is not None and failure is None:
+                    try:
+                        self._load_item(planner, group, data, self._tensors, timer)
+                    except Exception as e:  # a corrupted item: the hash decides below
+                        failure = e
+                        if not verify:
+                            raise
         except OSError as e:
             self._problem(rel, f"file {rel} cannot be read ({e.strerror or e})")
             return
         except Exception as e:
             failure = e
         finally:
+            if ahead is not None:
+                ahead.close()
+                timer.add("read", ahead.read_s)
+                timer.add("wait", ahead.wait_s)
             with self._lock:
-                self.bytes_read += nbytes
+                self.bytes_read += ahead.nbytes if ahead is not None else 0
+                for phase, seconds in timer.seconds.items():
+                    self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
         if verify and hasher is not None:
             if hasher.result() != expected:
                 self._problem(
@@ -334,31 +460,17 @@ class CheckpointReader(FileSystemReader):
             )
 
     @staticmethod
-    def _skip(f, n: int | None, hasher) -> int:
-        """Read and hash `n` bytes (None: to the end of the file); returns how many."""
-        done = 0
-        buf = bytearray(_SKIP_CHUNK)
-        view = memoryview(buf)
-        while n is None or done < n:
-            want = _SKIP_CHUNK if n is None else min(_SKIP_CHUNK, n - done)
-            got = f.readinto(view[:want])
-            if not got:
-                if n is not None:
-                    raise EOFError(f"file ends {n - done} bytes early")
-                break
-            hasher.update(view[:got])
-            done += got
-        return done
-
-    @staticmethod
-    def _load_item(planner, group: list, data: memoryview, framing: _ItemFraming) -> None:
+    def _load_item(
+        planner, group: list, data: memoryview, tensors: _ItemTensors, timer: _Phases
+    ) -> None:
         if planner is None:
             return
         if group[0].type == LoadItemType.BYTE_IO:
             for req in group:
                 planner.load_bytes(req, io.BytesIO(data))
             return
-        tensor = framing.tensor(data)  # a view into `data`: copied into the target below
+        with timer("deserialize"):
+            tensor = tensors.tensor(data)  # a view into `data`: copied into the target below
         for req in group:
             piece = _narrow(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
@@ -366,7 +478,8 @@ class CheckpointReader(FileSystemReader):
                 raise AssertionError(
                     f"req {req.storage_index} mismatch sizes {target.size()} vs {piece.size()}"
                 )
-            target.copy_(piece)
+            with timer("copy"):
+                target.copy_(piece)  # synchronous: `data`'s buffer is reused after this
             planner.commit_tensor(req, target)
 
 

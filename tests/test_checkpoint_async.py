@@ -424,6 +424,58 @@ def test_reused_framing_writes_torch_saves_bytes_in_few_system_calls(
     assert os.path.getsize(tmp_path / "out") == spans[-1][1]
 
 
+def test_written_ranges_are_handed_to_writeback(tmp_path, monkeypatch):
+    """With writeback on (sync_files), every _WRITEBACK bytes written the range not yet handed
+    over goes to posix_fadvise(DONTNEED), which starts the kernel's writeback: the ranges are
+    consecutive from offset 0, each at least _WRITEBACK bytes, within what was written (short
+    writes included), and the file's bytes and hash are unchanged; without it, no call; a file
+    system that refuses the hint is asked once and the file is written all the same."""
+    import os
+
+    import checkpoint.writer as writer
+
+    monkeypatch.setattr(writer, "_WRITEBACK", 3_000_000)
+    monkeypatch.setattr(writer, "_CHUNK", 2_000_000)
+    monkeypatch.setattr(writer, "_os_writev", _short_writev(700_001))
+    handed = []
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        handed.append((offset, length, advice, os.fstat(fd).st_size))
+        if refusing[0]:
+            raise OSError(22, "Invalid argument")
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(600, 500, generator=gen) for _ in range(12)]  # 1.2 MB each
+    results = {}
+    refusing = [False]
+    for on in (True, False, "refused"):
+        refusing[0] = on == "refused"
+        handed.clear()
+        path = tmp_path / f"out-{on}"
+        framing = writer._Framing()
+        with open(path, "wb") as fh:
+            f = writer._HashingFile(fh.fileno(), hashing.new_hasher("crc32"), writeback=bool(on))
+            for t in tensors:
+                framing.write(f, writer._exact(t))
+            f.drain()
+            f.check()
+        results[on] = (path.read_bytes(), f.hasher.result(), list(handed))
+    data, digest, calls = results[True]
+    assert (data, digest) == results[False][:2] and results[False][2] == []
+    assert results["refused"][:2] == (data, digest) and len(results["refused"][2]) == 1
+    assert len(calls) >= 2, calls
+    end = 0
+    for offset, length, advice, size in calls:
+        assert (offset, advice) == (end, os.POSIX_FADV_DONTNEED) and length >= 3_000_000
+        end = offset + length
+        assert end <= size  # only bytes already in the file
+    # What is left for the fsync: less than a hand-off plus one batch of writes.
+    assert 0 <= len(data) - end < 2 * 3_000_000, (end, len(data))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_async_writes_run_with_a_short_gil_switch_interval(tmp_path, monkeypatch, mode):
     """Writer threads of an `async` save take the GIL back after every write call: the switch

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import checkpoint.manager as manager_mod
 from checkpoint import hashing, store
-from checkpoint.reader import CheckpointReader, _ItemFraming
+from checkpoint.reader import CheckpointReader, _ItemTensors
 from errors import ConfigError
 from tests.ckpt_harness import Run, committed
 from tests.distributed import run_distributed
@@ -63,7 +63,7 @@ def test_resume_reads_each_byte_once_and_continues_bitwise(tmp_path, readers, mo
     (reader,) = readers
     assert reader.verify and sorted(reader.verified) == sorted(files)
     assert reader.bytes_read == sum(files.values())  # every data byte, once
-    assert reader._framing.views > 0  # items were loaded without torch.load's copy
+    assert reader._tensors.views > 0 and reader._tensors.loads == 0  # no torch.load copies
     assert any("verified the hashes of" in m and "as they were loaded" in m for m in run.messages)
 
 
@@ -84,23 +84,28 @@ def _saved(t) -> memoryview:
 
 
 def test_item_views_equal_torch_load(tmp_path):
-    """Every item of a checkpoint this recipe wrote, and items of plain torch.save (zip CRCs and
-    a per-save id that differ item to item), read through _ItemFraming equal torch.load's
-    tensors (dtype, shape, strides, bytes); a same-length item of another shape, or with a
-    changed byte before its data, is not taken for a known one."""
+    """Every item of a checkpoint this recipe wrote, and items of plain torch.save (CRCs on,
+    other shapes, a transposed storage, a view with a storage offset, bf16), read through
+    _ItemTensors equal torch.load's tensors (dtype, shape, strides, bytes), as views of the
+    item's bytes; an item whose pickled shape was changed is refused as torch.load refuses it,
+    and a non-tensor item is torch.load's."""
     Run(tmp_path).train(2)
     ckpt = tmp_path / "checkpoints" / "step_0000002"
     storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
-    framing = _ItemFraming()
+    tensors = _ItemTensors()
+    n_tensors = 0
     for info in sorted(storage.values(), key=lambda i: (i.relative_path, i.offset)):
         with open(ckpt / info.relative_path, "rb") as f:
             f.seek(info.offset)
             data = memoryview(bytearray(f.read(info.length)))
         want = torch.load(io.BytesIO(data), weights_only=True)
-        assert _item_equal(want, framing.tensor(data)), info
-    assert framing.views > 0
+        n_tensors += isinstance(want, torch.Tensor)
+        assert _item_equal(want, tensors.tensor(data)), info
+    # Every tensor item a view; the pickled objects (steps, param groups) torch.load's.
+    assert n_tensors > 50 and tensors.views == n_tensors, (n_tensors, tensors.views)
+    assert tensors.loads == len(storage) - n_tensors
 
-    framing = _ItemFraming()
+    tensors = _ItemTensors()
     gen = torch.Generator().manual_seed(0)
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)  # what other writers leave on
@@ -109,23 +114,26 @@ def test_item_views_equal_torch_load(tmp_path):
         items.append(_saved(torch.randn(256, 128, generator=gen)))  # same length, other shape
         items.append(_saved(torch.randn(128, 256, generator=gen).t()))  # transposed storage
         items.append(_saved(torch.randn(128, 256, generator=gen).to(torch.bfloat16).view(-1)))
+        items.append(_saved(torch.randn(40, 256, generator=gen)[3:, 5:]))  # storage offset
+        other = _saved({"a": torch.arange(5)})
         changed = _saved(torch.randn(128, 256, generator=gen))
     finally:
         torch.serialization.set_crc32_options(crc)
     for data in items:
-        got = framing.tensor(data)
+        got = tensors.tensor(data)
         assert _item_equal(torch.load(io.BytesIO(data), weights_only=True), got)
-    assert framing.views >= 2
+    assert tensors.views == len(items) and tensors.loads == 0
+    assert torch.equal(tensors.tensor(other)["a"], torch.arange(5)) and tensors.loads == 1
     # The pickled shape (128, 256) changed to (256, 128), same length: torch.load refuses the
-    # strides (256, 1) for it; a view of the data record would have been taken silently.
+    # strides (256, 1) for it, and so does the reader (no view of too few bytes).
     p = bytes(changed).index(b"K\x80M\x00\x01\x86")
     changed[p : p + 5] = b"M\x00\x01K\x80"
-    views = framing.views
+    views = tensors.views
     with pytest.raises(RuntimeError):
         torch.load(io.BytesIO(changed), weights_only=True)
     with pytest.raises(RuntimeError):
-        framing.tensor(changed)
-    assert framing.views == views
+        tensors.tensor(changed)
+    assert tensors.views == views
 
 
 def test_checksum_false_reads_only_the_items(tmp_path, readers):

@@ -9,7 +9,8 @@ device-to-host and disk ceilings measured in the same run.
 
 First the ceilings: pinned device-to-host copy (one large copy per rank, all ranks at once;
 on CPU a host memcpy instead) and the disk (every rank writes --disk-gb / ranks of data to the
-benchmark directory in 16 MiB writes and fsyncs, once with one stream per rank and once with
+benchmark directory in 16 MiB writes, handing every 256 MiB to the kernel's writeback as the
+checkpoint writer does, and fsyncs, once with one stream per rank and once with
 checkpoint.write_threads streams per rank; the faster counts). The disk is measured before
 every mode and after the last, and a mode's disk ceiling is the mean of the measurements just
 before and just after it (virtual disks drift by a quarter within minutes: one measurement
@@ -124,15 +125,21 @@ def d2h_ceiling(nbytes: int) -> tuple[str, float]:
 
 
 def _write_stream(path: Path, nbytes: int, block: bytes) -> None:
+    from checkpoint.writer import _WRITEBACK  # the writer's hand-off to writeback, same here
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(block)
-        left = nbytes
+        left, written, handed = nbytes, 0, 0
         while left > 0:
             piece = view[: min(left, len(view))]
             while len(piece):
                 piece = piece[os.write(fd, piece) :]
             left -= min(left, len(view))
+            written += min(nbytes - written, len(view))
+            if written - handed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, handed, written - handed, os.POSIX_FADV_DONTNEED)
+                handed = written
         os.fsync(fd)
     finally:
         os.close(fd)
