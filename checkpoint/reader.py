@@ -119,7 +119,6 @@ class _ReadAhead:
         self._free_chunks: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(2):
             self._free_items.put(_ItemBuffer())
-        for _ in range(2):
             self._free_chunks.put(bytearray(_SKIP_CHUNK))
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -272,8 +271,9 @@ class _ItemTensors:
             return None
         storage = meta.untyped_storage()
         start = getattr(storage, "_checkpoint_offset", None)
-        end = None if start is None else start + storage.nbytes()
-        if end is None or end > len(data) or meta.is_conj() or meta.is_neg():
+        if start is None or not 0 < storage.nbytes() <= len(data) - start:
+            return None
+        if meta.is_conj() or meta.is_neg():
             return None
         archive = torch._C.PyTorchFileReader(_ViewFile(data))
         records = archive.get_all_records()
@@ -281,8 +281,7 @@ class _ItemTensors:
             return None  # one storage: the one described
         if "byteorder" not in records or archive.get_record("byteorder") != sys.byteorder.encode():
             return None  # torch.load would byte-swap, or assume an order
-        if end == start:
-            return None
+        end = start + storage.nbytes()
         raw = torch.frombuffer(data[start:end], dtype=torch.uint8).view(meta.dtype)
         return raw.as_strided(meta.shape, meta.stride(), meta.storage_offset())
 
@@ -306,7 +305,6 @@ class CheckpointReader(FileSystemReader):
         self.problems: list[tuple[str, str, str]] = []
         self.verified: list[str] = []  # files this rank hashed
         self.bytes_read = 0
-        self.read_s = 0.0
         #: Seconds per phase, summed over the files: read (the read-ahead threads' read
         #: calls), wait (consumers waiting for bytes), hash, deserialize, copy (into place).
         self.phase_s: dict[str, float] = {}
@@ -355,7 +353,6 @@ class CheckpointReader(FileSystemReader):
     # -- reading ------------------------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        t0 = time.perf_counter()
         verify = set((plan.storage_data or {}).get("verify", [])) if self.verify else set()
         per_file: dict[str, list] = defaultdict(list)
         for req in plan.items:
@@ -382,7 +379,6 @@ class CheckpointReader(FileSystemReader):
         else:
             for job in jobs:
                 run(job)
-        self.read_s = time.perf_counter() - t0
         if self.problems:
             raise DamagedCheckpoint("; ".join(f"{f}: {p}" for f, p, _ in self.problems))
         fut: Future = Future()

@@ -22,8 +22,8 @@ DCP readers and tools load the result. What changes:
   its bookkeeping instead of reporting "unexpected pos");
 - each file ends with a 64-byte trailer naming the save id and the file (checkpoint/store.py);
 - with `sync_files`, the disk is set writing while the file is still being written: every
-  `_WRITEBACK` bytes the written range is handed to the kernel's writeback
-  (posix_fadvise DONTNEED starts it without waiting, and drops the pages once clean), so the
+  `WRITEBACK_BYTES` the written range is handed to the kernel's writeback (`start_writeback`:
+  posix_fadvise DONTNEED starts it without waiting, and drops the pages once clean), so the
   closing fsync waits for the tail only. Without it the kernel starts writing a checkpoint
   only when its dirty-page threshold (a tenth of RAM) is reached, or at the fsync: the disk
   sat idle while a sync save's first gigabytes went to the page cache;
@@ -68,11 +68,24 @@ _SMALL = 1 << 20
 #: Tensors with fewer bytes than this are written by torch.save directly (no framing reuse).
 _FRAMED_MIN = 1 << 12
 #: Bytes between two hand-offs of a file's written range to the kernel's writeback.
-_WRITEBACK = 1 << 28
+WRITEBACK_BYTES = 1 << 28
 #: The per-rank timings a save reports (CheckpointWriter.times).
 WRITE_TIMES = ("file_s", "write_calls_s", "hash_s", "fsync_s")
 #: The write system call (tests replace it to simulate short writes and a full disk).
 _os_writev = os.writev
+
+
+def start_writeback(fd: int, start: int, end: int) -> bool:
+    """Have the kernel start writing bytes [start, end) of `fd` to disk without waiting
+    (posix_fadvise DONTNEED, which also drops those pages once clean). A hint: False where
+    the system or the file system refuses it, and the fsync writes everything anyway."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -96,7 +109,7 @@ class _HashingFile:
         self.hasher = hasher
         self.pos = 0
         #: Start the kernel's writeback of what was written (see the module doc), if it can.
-        self.writeback = writeback and hasattr(os, "posix_fadvise")
+        self.writeback = writeback
         self._written = 0  # bytes in the file
         self._handed = 0  # bytes handed to writeback
         self.error: OSError | None = None
@@ -164,22 +177,13 @@ class _HashingFile:
                 if written:  # a short write ended inside batch[i]
                     batch[i] = batch[i][written:]
             self._written += total
-            if self.writeback and self._written - self._handed >= _WRITEBACK:
-                self._hand_to_writeback()
+            if self.writeback and self._written - self._handed >= WRITEBACK_BYTES:
+                # A file system that refuses the hint gets none for the rest of the file.
+                self.writeback = start_writeback(self.fd, self._handed, self._written)
+                self._handed = self._written
             self.write_calls_s += time.perf_counter() - t1
         except OSError as e:
             self.error = e
-
-    def _hand_to_writeback(self) -> None:
-        """Start writing the range written since the last hand-off (a hint: a file system
-        that refuses it gets none for the rest of the file, the fsync still writes all)."""
-        try:
-            os.posix_fadvise(
-                self.fd, self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED
-            )
-        except OSError:
-            self.writeback = False
-        self._handed = self._written
 
     def flush(self) -> None:
         pass  # torch.save calls this after every tensor; gathered writes go out with the next

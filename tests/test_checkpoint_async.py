@@ -425,16 +425,16 @@ def test_reused_framing_writes_torch_saves_bytes_in_few_system_calls(
 
 
 def test_written_ranges_are_handed_to_writeback(tmp_path, monkeypatch):
-    """With writeback on (sync_files), every _WRITEBACK bytes written the range not yet handed
+    """With writeback on (sync_files), every WRITEBACK_BYTES written the range not yet handed
     over goes to posix_fadvise(DONTNEED), which starts the kernel's writeback: the ranges are
-    consecutive from offset 0, each at least _WRITEBACK bytes, within what was written (short
+    consecutive from offset 0, each at least WRITEBACK_BYTES, within what was written (short
     writes included), and the file's bytes and hash are unchanged; without it, no call; a file
     system that refuses the hint is asked once and the file is written all the same."""
     import os
 
     import checkpoint.writer as writer
 
-    monkeypatch.setattr(writer, "_WRITEBACK", 3_000_000)
+    monkeypatch.setattr(writer, "WRITEBACK_BYTES", 3_000_000)
     monkeypatch.setattr(writer, "_CHUNK", 2_000_000)
     monkeypatch.setattr(writer, "_os_writev", _short_writev(700_001))
     handed = []

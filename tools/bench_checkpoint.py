@@ -125,7 +125,7 @@ def d2h_ceiling(nbytes: int) -> tuple[str, float]:
 
 
 def _write_stream(path: Path, nbytes: int, block: bytes) -> None:
-    from checkpoint.writer import _WRITEBACK  # the writer's hand-off to writeback, same here
+    from checkpoint.writer import WRITEBACK_BYTES, start_writeback  # as the writer does
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -137,8 +137,8 @@ def _write_stream(path: Path, nbytes: int, block: bytes) -> None:
                 piece = piece[os.write(fd, piece) :]
             left -= min(left, len(view))
             written += min(nbytes - written, len(view))
-            if written - handed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, handed, written - handed, os.POSIX_FADV_DONTNEED)
+            if written - handed >= WRITEBACK_BYTES:
+                start_writeback(fd, handed, written)
                 handed = written
         os.fsync(fd)
     finally:
