@@ -27,5 +27,6 @@ def apply_all() -> dict[str, Any]:
             te_fused_adam_fp8_cache=te.ensure_fused_adam_fp8_cache_reset(),
             te_post_all_gather_dtensor_out=te.ensure_post_all_gather_dtensor_out(),
             te_dim1_block_gather=te.ensure_dim1_block_gather(),
+            te_recompute_gathers_rowwise=te.ensure_recompute_gathers_rowwise(),
         )
     return applied

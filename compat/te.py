@@ -5,6 +5,7 @@
 | QuantizedTensor has no `untyped_storage`: FSDP2's `reset_sharded_param` after a DCP load compares storages and dereferences an invalid one | TE PR 2974 (in 2.20) | the class defines `untyped_storage` | `ensure_quantized_tensor_storage` | tests/gpu/test_checkpoint_gpu.py::test_untyped_storage_fix_needed_for_fsdp2_load |
 | FusedAdam's fused FP8 kernel (delayed-scaling Float8Tensor parameters, master weights) rewrites the FP8 bytes in place but leaves the cached FP8 transpose valid; on Hopper the next backward's dgrad GEMM reads the transpose of the previous step's weights, so training drifts and a resume (fresh transpose) is not bitwise | none found (TE 2.20.2) | not probed at start-up (it takes an FP8 forward and backward); the test asserts the gap with TE's own step | `ensure_fused_adam_fp8_cache_reset` (harmless where TE resets the cache itself) | tests/gpu/test_recipes_gpu.py::test_fused_adam_fp8_step_leaves_no_stale_transpose |
 | FSDP2 x tensor parallel: from the second all-gather on, torch passes the unsharded parameter as `out=` to `fsdp_post_all_gather`, and for a TP weight that is a DTensor (`'DTensor' object has no attribute '_quantizer'`); for a weight FSDP shards along dim 1 (fc1 under TP) the gathered buffer arrives viewed as (world x rows, cols / world) | TE PR 2713 (DTensor weights, unmerged) | per call: the wrapper acts only on a DTensor `out` or a buffer whose shape disagrees with `out` | `ensure_post_all_gather_dtensor_out` (`wrap_post_all_gather`) | tests/test_compat_te.py |
+| FSDP2 + activation recomputation of quantized weights: with `reshard_after_forward`, TE's `fsdp_pre_all_gather` (Float8Tensor, 128x128-block FP8, MXFP8) gathers only the columnwise (transposed) copy for backward, but a block recomputed in backward runs its forward again and needs the rowwise copy: "Cannot generate FP8 data, even from FP8 data transpose" (any recompute mode, quantized_init, 2+ ranks) | none found (TE 2.20.2) | per call: acts only for modules parallel/ac.py marked as recomputed, in FSDP2's pre-backward state | `ensure_recompute_gathers_rowwise` (`wrap_pre_all_gather_for_recompute`) | tests/test_compat_te.py (real FSDP2 state on gloo), tests/gpu/test_ac_layouts_gpu.py (TE on 2 GPUs, the gap asserted with TE's own hook) |
 | FSDP2 dim-1 sharding of FP8 128x128-block weights | see compat/fsdp2.py | compat/fsdp2.py | `ensure_dim1_block_gather` | tests/test_compat_fsdp2.py |
 
 Detection is by what the installed TE does or defines, never by its version number or its
@@ -21,6 +22,7 @@ import functools
 import importlib.util
 import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -187,6 +189,100 @@ def ensure_post_all_gather_dtensor_out() -> list[str]:
         cls.fsdp_post_all_gather = wrap_post_all_gather(fn)
         patched.append(cls.__name__)
     return patched
+
+
+# -- FSDP2's backward all-gather for a recomputed forward ---------------------------------
+
+#: Set by parallel/ac.py on every module whose forward runs again in backward: a weakref to
+#: the FSDP2 unit (the block) that owns its parameters.
+RECOMPUTE_UNIT_ATTR = "_recompute_fsdp_unit"
+
+
+def mark_recomputed(target, unit) -> None:
+    """Mark `target` and its submodules as recomputed in backward inside FSDP2 unit `unit`.
+    A weakref, set with object.__setattr__: a module attribute would register the unit as a
+    child of its own submodule."""
+    import weakref
+
+    ref = weakref.ref(unit)
+    for module in target.modules():
+        object.__setattr__(module, RECOMPUTE_UNIT_ATTR, ref)
+
+
+def recompute_param_group(module):
+    """The FSDP2 parameter group about to be gathered for a backward that recomputes
+    `module`'s forward, or None (not marked, not in backward, or not resharded: then TE's
+    own choice already keeps both copies)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    ref = getattr(module, RECOMPUTE_UNIT_ATTR, None)
+    unit = ref() if ref is not None else None
+    if unit is None or not hasattr(unit, "_get_fsdp_state"):
+        return None
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None or not getattr(group, "_reshard_after_forward", False):
+        return None
+    return group if group._training_state == TrainingState.PRE_BACKWARD else None
+
+
+@contextmanager
+def _kept_after_forward(group):
+    """`group` reads as a unit that keeps its weights after forward, for the length of one
+    call. torch 2.13 derives `_reshard_after_forward` from `post_forward_mesh_info` (a
+    property); older releases store the flag itself."""
+    if isinstance(getattr(type(group), "_reshard_after_forward", None), property):
+        saved, group.post_forward_mesh_info = group.post_forward_mesh_info, None
+        try:
+            yield
+        finally:
+            group.post_forward_mesh_info = saved
+    else:
+        group._reshard_after_forward = False
+        try:
+            yield
+        finally:
+            group._reshard_after_forward = True
+
+
+def wrap_pre_all_gather_for_recompute(fn):
+    """fsdp_pre_all_gather that, for a module recomputed in backward, runs `fn` as if its
+    unit kept its weights after forward: TE then asks for the rowwise copy (the recomputed
+    forward's GEMMs) as well as the columnwise one (the backward's), exactly what it does for
+    a unit that does not reshard. Float8Tensor and 128x128-block FP8 gather the same bytes
+    either way (the transpose is made locally); MXFP8 gathers both copies. Memory: the rowwise
+    copy of one unit's weights (plus the prefetched one) while it runs backward."""
+
+    def pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        group = recompute_param_group(module)
+        if group is None:
+            return fn(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        with _kept_after_forward(group):
+            return fn(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+
+    pre_all_gather._compat_patched = True
+    pre_all_gather.__wrapped__ = fn
+    return pre_all_gather
+
+
+def ensure_recompute_gathers_rowwise() -> list[str]:
+    """Wrap every quantized tensor class's fsdp_pre_all_gather
+    (wrap_pre_all_gather_for_recompute). Returns the names of the classes wrapped now."""
+    import transformer_engine.pytorch  # noqa: F401  (defines every quantized tensor class)
+
+    patched = []
+    for cls in _subclasses(_quantized_tensor_cls()):
+        fn = vars(cls).get("fsdp_pre_all_gather")
+        if fn is None or getattr(fn, "_compat_patched", False):
+            continue
+        cls.fsdp_pre_all_gather = wrap_pre_all_gather_for_recompute(fn)
+        patched.append(cls.__name__)
+    return patched
+
+
+def unpatched_pre_all_gather(cls: type):
+    """`cls`'s fsdp_pre_all_gather as TE defines it (the gap's GPU test)."""
+    fn = vars(cls)["fsdp_pre_all_gather"]
+    return getattr(fn, "__wrapped__", fn)
 
 
 # -- FP8 128x128 blocks sharded along dim 1 (compat/fsdp2.py) --------------------------------

@@ -27,7 +27,10 @@ history twice: the recompute re-enters the recipe's autocast for that block (bf1
 unquantized) inside TE's recompute phase (`get_activation_recompute_contexts`, what TE's own
 `te.distributed.checkpoint` uses). torch's checkpoint restores torch.autocast and the RNG
 state itself. Applied before FSDP2 (parallel/parallelize.py), so the recompute runs inside the
-block's FSDP unit, which is unsharded for backward by then.
+block's FSDP unit, which is unsharded for backward by then. Every recomputed module is marked
+with its block (compat.te.mark_recomputed): TE's FSDP2 hook for quantized weights gathers only
+the transposed copy for backward, which a recomputed forward cannot use, and the mark makes the
+backward gather keep the rowwise copy too (compat/te.py says how).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from contextlib import ExitStack, contextmanager
 
 from torch import nn
 
+from compat.te import mark_recomputed
 from errors import ConfigError
 
 MODES = ("none", "full", "mlp", "selective")
@@ -97,6 +101,7 @@ def apply_activation_checkpointing(
             )
         )
         done.append(name)
+        mark_recomputed(target, block)
         if mode == "selective" and impl == "te":
             # TE recomputes in the forward's quantization state itself (it saves the autocast
             # state and, for delayed scaling, the forward's scales for the recompute).

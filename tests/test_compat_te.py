@@ -20,7 +20,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat.te import wrap_post_all_gather, wrap_step_resetting_fp8_caches
+from compat.te import (
+    wrap_post_all_gather,
+    wrap_pre_all_gather_for_recompute,
+    wrap_step_resetting_fp8_caches,
+)
 from tests.distributed import run_distributed
 
 ROWS, COLS = 4, 6
@@ -168,3 +172,70 @@ def test_step_wrapper_with_torch_optimizer_hook(torch_hook_first):
     p.grad = torch.ones(2)
     original(opt)
     assert resets == [1, 1]
+
+
+# -- wrap_pre_all_gather_for_recompute: the backward gather of a recomputed forward ------------
+
+
+def te_like_pre_all_gather(self, mesh, orig_size, stride, module, mp_policy):
+    """TE 2.20's Float8Tensor.fsdp_pre_all_gather, reduced to its choice of copies: the FSDP2
+    state of the module's unit says whether this gather is for backward and whether the unit
+    reshards after forward; a resharding unit gathers the rowwise copy for forward and only
+    the columnwise (transposed) one for backward."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    unit = module if hasattr(module, "_get_fsdp_state") else self._unit
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group._reshard_after_forward:
+        backward = group._training_state == TrainingState.PRE_BACKWARD
+        return (self,), (not backward, backward)
+    return (self,), (True, True)
+
+
+def _recompute_gather_worker(rank, world_size):
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    from parallel.ac import apply_activation_checkpointing
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.layernorm_mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.layernorm_mlp(self.attn(x))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    apply_activation_checkpointing(model, "mlp", every=2)  # block 0's MLP only
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=True)
+    tensor = torch.zeros(1)
+    tensor._unit = model.layers[0]
+    group = model.layers[0]._get_fsdp_state()._fsdp_param_group
+    fixed = wrap_pre_all_gather_for_recompute(te_like_pre_all_gather)
+
+    def usages(fn, module, state):
+        with group.use_training_state(state):
+            return fn(tensor, None, None, None, module, None)[1]
+
+    mlp, attn = model.layers[0].layernorm_mlp, model.layers[0].attn
+    # TE alone: the backward gather of the recomputed MLP has no rowwise copy (the gap).
+    assert usages(te_like_pre_all_gather, mlp, TrainingState.PRE_BACKWARD) == (False, True)
+    # With the wrapper: both copies for the recomputed module in backward ...
+    assert usages(fixed, mlp, TrainingState.PRE_BACKWARD) == (True, True)
+    assert group._reshard_after_forward is True  # ... and the unit's setting is restored;
+    # unchanged in forward, for a module that is not recomputed, and in a block without AC.
+    assert usages(fixed, mlp, TrainingState.FORWARD) == (True, False)
+    assert usages(fixed, attn, TrainingState.PRE_BACKWARD) == (False, True)
+    other = model.layers[1]
+    tensor._unit = other
+    with other._get_fsdp_state()._fsdp_param_group.use_training_state(TrainingState.PRE_BACKWARD):
+        assert fixed(tensor, None, None, None, other.layernorm_mlp, None)[1] == (False, True)
+    assert fixed.__wrapped__ is te_like_pre_all_gather
+
+
+def test_recomputed_module_gathers_rowwise_copy_for_backward():
+    run_distributed(_recompute_gather_worker, 1)

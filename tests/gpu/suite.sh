@@ -4,6 +4,8 @@
 #   bash tests/gpu/suite.sh single        # 1 GPU: tests, recipes, resume, save (the stages below)
 #   bash tests/gpu/suite.sh tests recipes # any of: tests recipes resume save
 #   bash tests/gpu/suite.sh multi         # 2-4 GPUs: layout parity (bf16, fp8_cs), FP8 all-gather
+#   bash tests/gpu/suite.sh ac            # 2 GPUs: every recipe x recomputation mode under fsdp, hsdp, fsdp_tp
+#                                         # (small model, 2 steps each, against no recomputation; AC_LAYOUTS="fsdp")
 #   bash tests/gpu/suite.sh matrix        # 4 GPUs: every recipe x layout x checkpoint mode, resume bitwise
 #                                         # (MATRIX_LAYOUTS="tp fsdp_tp", MATRIX_RECIPES="fp8_cs" for a subset)
 #   bash tests/gpu/suite.sh step          # training-step table (tools/bench_step.py): llama3_1b on 1 GPU,
@@ -126,6 +128,18 @@ multi() {
     for n in 2 4; do
         [[ -f "$OUT/parallel_$n.log" ]] && sed -n '/ x .*steps, global batch/,$p' "$OUT/parallel_$n.log"
     done
+}
+
+# shellcheck disable=SC2329
+ac() {
+    stage "recomputation x recipe on 2 GPUs (fsdp, hsdp, fsdp_tp): trains and matches no recomputation"
+    if [[ $NGPU -lt 2 ]]; then echo "ac: not run: needs 2 GPUs, this machine has $NGPU"; status=1; return; fi
+    rm -f "$OUT/ac_layouts.jsonl"
+    # shellcheck disable=SC2086  # AC_LAYOUTS are words
+    CUDA_VISIBLE_DEVICES=${AC_GPUS:-0,1} timeout "${AC_TIMEOUT:-480}" torchrun --standalone --nproc_per_node=2 \
+        -m tests.harness.ac_layouts --layouts ${AC_LAYOUTS:-fsdp hsdp fsdp_tp} --jsonl "$OUT/ac_layouts.jsonl" \
+        > "$OUT/ac_layouts.log" 2>&1 || status=1
+    sed -n '/^| layout/,$p' "$OUT/ac_layouts.log"
 }
 
 #: Matrix model: TE-friendly local GEMM sizes up to tp=4 (multiples of 128 for fp8_block).
@@ -330,8 +344,8 @@ determinism() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|matrix|scale|switch|determinism|cp2|cpseq|levers) "$what" ;;
-        *) echo "usage: $0 single|multi|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers) "$what" ;;
+        *) echo "usage: $0 single|multi|ac|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
     esac
 done
 exit $status
