@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -251,6 +252,38 @@ def report_error(line: str) -> None:
                 json.dump({"message": {"message": f"error: {line}", "extraInfo": info}}, f)
         except OSError:
             pass
+
+
+#: A Python exception's last line (`module.Name: message`), optionally behind torch's
+#: `[rankN]:` prefix on a worker's output.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank(\d+)\]:\s?)?((?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Interrupt)(?::.*)?)$"
+)
+#: The launcher's own report of a worker's failure, which names no cause.
+_LAUNCHER_NOISE = ("ChildFailedError", "torch.distributed.elastic")
+
+
+def failure_line(output: str) -> str:
+    """The line that says why a train.py (or torchrun) child failed, from its output: the
+    project's own `error: ...` line if there is one; else the exception of the first rank
+    that raised one (its outermost, when exceptions were chained), as `rank N: Name: message`;
+    never torchrun's `ChildFailedError`, which only says that a worker failed. Falls back
+    to the last non-empty line."""
+    lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()]
+    for ln in lines:
+        own = re.sub(r"^\[rank\d+\]:\s?", "", ln)
+        if own.startswith("error: "):
+            return own
+    found = [
+        (m.group(1), m.group(2))
+        for m in map(_EXCEPTION_LINE.match, lines)
+        if m and not any(noise in m.group(2) for noise in _LAUNCHER_NOISE)
+    ]
+    if not found:
+        return lines[-1] if lines else "?"
+    rank = found[0][0]
+    last = [text for r, text in found if r == rank][-1]
+    return f"rank {rank}: {last}" if rank is not None else last
 
 
 def exit_status(statuses: list[int]) -> int:

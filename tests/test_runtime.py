@@ -100,3 +100,35 @@ def test_gc_every_and_nccl_priority_change_no_loss(tmp_path):
             assert "a full collection every 2 steps (train.gc_every)" in r.stdout
             assert f"nccl: {NCCL_HIGH_PRIORITY_ENV}=1 set" in r.stdout
     assert len(losses["plain"]) == 5 and losses["levers"] == losses["plain"]
+
+
+_FAILING_WORKER = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+def quantize():
+    raise RuntimeError("Cannot generate FP8 data, even from FP8 data transpose")
+try:
+    quantize()
+except RuntimeError as e:
+    raise ValueError("the step failed") from e
+"""
+
+
+def test_failure_line_names_the_rank_error_not_torchrun_summary(tmp_path):
+    """A torchrun job whose ranks raise: the failing rank's own (outermost) exception, where
+    the last line with "Error" in it is torchrun's ChildFailedError."""
+    from runtime import failure_line, launch
+
+    script = tmp_path / "worker.py"
+    script.write_text(_FAILING_WORKER)
+    r = launch([], nproc=2, program=(str(script),), timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "ChildFailedError" in out
+    line = failure_line(out)
+    assert line in ("rank 0: ValueError: the step failed", "rank 1: ValueError: the step failed")
+    # One process (no rank prefix), and the project's own one-line refusal first.
+    plain = "Traceback (most recent call last):\n  x\nRuntimeError: Cannot generate FP8 data\n"
+    assert failure_line(plain) == "RuntimeError: Cannot generate FP8 data"
+    refused = "[rank0]: warning\nerror: data.path='x' does not exist\nChildFailedError:\n"
+    assert failure_line(refused) == "error: data.path='x' does not exist"
+    assert failure_line("") == "?" and failure_line("last words\n") == "last words"

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from runtime import launch  # noqa: E402
+from runtime import failure_line, launch  # noqa: E402
 
 RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 #: TE's attention logging: the backend it runs with (INFO) and why it disabled others (DEBUG).
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(
             f"{name}: exit {r.returncode} in {seconds:.0f}s"
-            + ("" if r.returncode == 0 else f" (log: {args.out / name}.log)"),
+            + ("" if r.returncode == 0 else f": {failure_line(log)} (log: {args.out / name}.log)"),
             flush=True,
         )
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from runtime import launch  # noqa: E402
+from runtime import failure_line, launch  # noqa: E402
 
 SM90_RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 
@@ -46,7 +46,7 @@ def run_one(
     ]
     r = launch(args)
     if r.returncode != 0:
-        return [], (r.stderr.strip().splitlines() or ["failed"])[-1]
+        return [], failure_line(r.stdout + "\n" + r.stderr)
     return read_metrics(root / name / "metrics.jsonl"), ""
 
 

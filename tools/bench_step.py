@@ -33,8 +33,8 @@ reports them: MFU against the GPU's dense bf16 peak, 989 TFLOP/s on H100/H200), 
 allocated memory of the run. Prints one markdown table last; `--json` appends one record
 per case. `--repo DIR` runs another checkout's train.py (a before/after comparison in one
 session); `--profile-steps 10-11` records those steps with torch.profiler (train.py's
-`train.profile_steps`) and writes the kernel table and tools/trace_summary.py's breakdown next
-to the JSON.
+`train.profile_steps`) and writes the kernel table, tools/trace_summary.py's breakdown and, on
+a GPU, rank 0's memory at the peak of those steps by allocation site next to the JSON.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime import failure_line  # noqa: E402
 from tools import trace_summary  # noqa: E402
 
 DEFAULT_CASES = [
@@ -174,7 +175,7 @@ def run_case(case: dict, args, run_root: str) -> dict:
     )
     if proc.returncode != 0 or not steady:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-        result["error"] = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1:] or "?")
+        result["error"] = failure_line(proc.stdout + "\n" + proc.stderr)
         result["log_tail"] = "\n".join(lines[-40:])
         return result
     result.update(
@@ -184,8 +185,12 @@ def run_case(case: dict, args, run_root: str) -> dict:
         loss_last=records[-1]["loss"],
         steps_measured=len(steady),
     )
+    label = f"{args.label}_" if args.label else ""
+    for memory in (run_dir / "profile").glob("*_memory.md") if args.json else []:
+        shutil.copy(
+            memory, Path(args.json).with_name(f"profile_{label}case{case['index']}_{memory.name}")
+        )
     for prof in (run_dir / "profile").glob("*.txt") if args.json else []:
-        label = f"{args.label}_" if args.label else ""
         dest = Path(args.json).with_name(f"profile_{label}case{case['index']}_{prof.name}")
         shutil.copy(prof, dest)
         trace = prof.with_suffix(".json")
