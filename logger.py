@@ -47,6 +47,7 @@ import os
 import secrets
 import string
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from config import LoggerConfig, WandbConfig
@@ -103,14 +104,16 @@ class StepClock:
         start_step: int,
         total_steps: int,
         tokens_per_step: int,
-        flops_per_token: float,
+        step_flops: Callable[[int, int], float],
         peak_tflops: float | None,
         world_size: int,
         eval_every: int = 0,
     ):
+        """step_flops(tokens, attention_pairs): the model FLOPs of that work (model/flops.py)."""
         self.start_step, self.total_steps = start_step, total_steps
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.tokens_per_step, self.step_flops = tokens_per_step, step_flops
         self.peak, self.world_size, self.eval_every = peak_tflops, world_size, eval_every
+        self.pairs = 0  # this rank's attention pairs since the last measure (count())
         self.t_start = self.t_last = time.perf_counter()
         self.step_last = start_step
         self.eval_total = self.eval_interval = self.eval_last = 0.0
@@ -126,9 +129,23 @@ class StepClock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
-    def measure(self, step: int) -> dict:
+    def count(self, attention_pairs: int) -> None:
+        """Add one step's attention pairs of this rank's rows (model.flops)."""
+        self.pairs += attention_pairs
+
+    def take_pairs(self) -> int:
+        """This rank's attention pairs since the last call (the caller sums them over the
+        data-parallel ranks, which hold different rows, for `measure`)."""
+        pairs, self.pairs = self.pairs, 0
+        return pairs
+
+    def measure(self, step: int, attention_pairs: float | None = None) -> dict:
+        """attention_pairs: the whole job's, over the steps since the last measure (the
+        attention of a long window of short documents is far less than a causal window's);
+        None: MFU is not reported."""
         now = time.perf_counter()
-        step_time = (now - self.t_last - self.eval_interval) / (step - self.step_last)
+        steps = step - self.step_last
+        step_time = (now - self.t_last - self.eval_interval) / steps
         train_s = now - self.t_start - self.eval_total
         evals_left = 0
         if self.eval_every:
@@ -138,7 +155,10 @@ class StepClock:
         eta = steps_left * train_s / (step - self.start_step) + evals_left * self.eval_last
         tps = self.tokens_per_step / step_time
         per_device = tps / self.world_size
-        mfu = self.flops_per_token * per_device / (self.peak * 1e12) if self.peak else None
+        mfu = None
+        if self.peak and attention_pairs is not None:
+            flops = self.step_flops(self.tokens_per_step * steps, attention_pairs)
+            mfu = flops / (step_time * steps * self.world_size * self.peak * 1e12)
         self.t_last, self.step_last, self.eval_interval = now, step, 0.0
         return dict(
             tokens_per_s=tps,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from data.documents import Documents
+from model.flops import batch_attention_pairs
 from optim import clip_grad_norm
 from parallel.cp import ContextShard, DocumentSharding, shard_batch
 from runtime import to_device
@@ -38,10 +39,16 @@ class BatchLayout:
         for TE's GEMMs (train.py)."""
         self.boundaries, self.cp, self.cp_rank, self.cp_group = boundaries, cp, cp_rank, cp_group
         self.align = align
+        #: Attention (query, key) pairs of the last batch's rows, per document (model.flops),
+        #: counted before the context-parallel split: the data's work, not its padding.
+        self.attention_pairs = 0
 
     def __call__(self, rows: torch.Tensor):
         inputs, labels = rows[:, :-1], rows[:, 1:]
         documents = None if self.boundaries is None else self.boundaries(inputs)
+        self.attention_pairs = batch_attention_pairs(
+            tuple(inputs.shape), None if documents is None else documents.cu_seqlens
+        )
         if self.cp > 1:
             return shard_batch(
                 inputs,

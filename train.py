@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import gc
 import os
 import sys
@@ -52,7 +53,7 @@ from data.sources import check_source, corpus_fingerprint
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
 from model import build_model, init_weights, resolve_impl, te_available
-from model.flops import flops_per_token, peak_tflops
+from model.flops import peak_tflops, step_flops
 from model.memory import estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
 from overrides import check_overrides
@@ -579,7 +580,7 @@ def run(cfg: Config) -> int:
         start_step=start_step,
         total_steps=cfg.train.steps,
         tokens_per_step=tokens_per_step,
-        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+        step_flops=functools.partial(step_flops, cfg.model),
         peak_tflops=cfg.train.peak_tflops
         or (peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None),
         world_size=world_size,
@@ -594,6 +595,7 @@ def run(cfg: Config) -> int:
             profiler.begin(step)
             # Document boundaries and this rank's context-parallel part, on the CPU.
             inputs, labels, documents = layout(loader.next_batch())
+            clock.count(layout.attention_pairs)
             loss, grad_norm = train_step(
                 model,
                 optimizer,
@@ -629,11 +631,17 @@ def run(cfg: Config) -> int:
             stopping = False
             switch_to = switches.get(step)
             if step % cfg.train.log_every == 0 or last or val_loss is not None or switch_to:
+                # Attention work since the last log step, summed over the data-parallel ranks
+                # (cp and tp ranks share their rows): MFU counts the documents' attention.
+                pairs = torch.tensor(float(clock.take_pairs()), dtype=torch.float64, device=device)
                 if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
                     dist.all_reduce(loss, group=dims.loss_group)
                     loss /= dims.loss_size
-                # The one host sync per log step (loss and grad norm together).
-                loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+                    dist.all_reduce(pairs, group=dims.dp_group)
+                # The one host sync per log step (loss, grad norm and attention pairs together).
+                loss_value, norm_value, pairs_value = torch.stack(
+                    [loss.double(), grad_norm.double(), pairs]
+                ).tolist()
                 logger.log(
                     dict(
                         step=step,
@@ -642,7 +650,7 @@ def run(cfg: Config) -> int:
                         grad_norm=norm_value,
                         lr=scheduler.get_last_lr()[0],
                         tokens_seen=train_state.tokens_seen,
-                        **clock.measure(step),
+                        **clock.measure(step, attention_pairs=pairs_value),
                         mem_gb=peak_memory_gb(device),
                         param_bytes_per_param=param_bytes / param_local_numel,
                         eval_s=clock.eval_last if val_loss is not None else None,
