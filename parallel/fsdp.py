@@ -34,9 +34,17 @@ def mp_policy(pcfg: ParallelConfig, mixed_precision: bool) -> MixedPrecisionPoli
     if not mixed_precision:
         # Parameters are fp32 (CPU runs): gather and reduce them as they are.
         return MixedPrecisionPolicy()
+    # cast_forward_inputs=False: FSDP2 would otherwise cast every floating-point argument of a
+    # unit's forward to param_dtype, and the blocks are handed the RoPE angles (fp32, up to
+    # max_seq_len x head_dim). In bf16 an angle near position p is off by up to p / 512
+    # radians (a random rotation beyond a few hundred positions for the fast frequencies), and
+    # TE's fused RoPE copies the bf16 table back to fp32 and keeps that copy for backward (4
+    # GiB a step at llama3_8b). The blocks' hidden states are bf16 without the cast: they come
+    # from the embedding, whose gathered weight is param_dtype.
     return MixedPrecisionPolicy(
         param_dtype=dtype_of(pcfg.param_dtype, "param_dtype"),
         reduce_dtype=dtype_of(pcfg.reduce_dtype, "reduce_dtype"),
+        cast_forward_inputs=False,
     )
 
 

@@ -523,3 +523,36 @@ def _a2a_p2p(rank, world_size):
 
 def test_a2a_p2p_groups_follow_te_rank_numbering():
     run_distributed(_a2a_p2p, 8)
+
+
+# ---- FSDP2 mixed precision leaves the RoPE angles in fp32 (parallel/fsdp.py) ----------------
+
+
+def _rope_angles_reach_blocks_in_fp32(rank, world_size):
+    from model.init import init_weights
+    from tests.test_parallel_matrix import tiny_cfg
+
+    cfg = tiny_cfg()
+    pcfg = ParallelConfig()
+    dims = ParallelDims(pcfg, world_size)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    # The GPU policy (bf16 gathers); FSDP2 runs it on CPU too.
+    parallelize(model, dims, pcfg, "torch", mixed_precision=True)
+    model.to_empty(device="cpu")
+    model.reset_buffers()
+    init_weights(model, cfg, seed=1)
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(tokens)
+    x, freqs = seen[0][:2]
+    # The hidden states are bf16 (the embedding's gathered weight is); the angles are the
+    # model's own fp32 table, not a bf16 copy (off by up to position / 512 radians).
+    assert x.dtype == torch.bfloat16
+    assert freqs.dtype == torch.float32 and torch.equal(freqs, model.freqs)
+
+
+def test_mixed_precision_keeps_rope_angles_fp32():
+    run_distributed(_rope_angles_reach_blocks_in_fp32, 2)
