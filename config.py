@@ -9,6 +9,7 @@ than one field are checked once, in `validate`, before any expensive work
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +272,31 @@ def validate(cfg: Config) -> None:
     _require(
         m.head_dim % 2 == 0, f"model head_dim={m.head_dim} (dim/n_heads) must be even for RoPE"
     )
+    # RoPE's fields: a value outside these ranges computes (no error) and trains a model
+    # whose positions are wrong or nan, which surfaces much later as a bad or non-finite loss.
+    _require(
+        math.isfinite(m.rope_theta) and m.rope_theta > 1,
+        f"model.rope_theta={m.rope_theta} must be a finite number > 1 (RoPE's base: the "
+        "wavelengths are rope_theta^(2i/head_dim); Llama 3 uses 500000)",
+    )
+    r = m.rope_scaling
+    if r is not None:
+        _require(
+            math.isfinite(r.factor) and r.factor >= 1,
+            f"model.rope_scaling.factor={r.factor} must be >= 1 (the long wavelengths are "
+            "slowed down by it), or set model.rope_scaling=null for plain RoPE",
+        )
+        _require(
+            0 < r.low_freq_factor < r.high_freq_factor and math.isfinite(r.high_freq_factor),
+            f"model.rope_scaling: low_freq_factor={r.low_freq_factor} and high_freq_factor="
+            f"{r.high_freq_factor} must satisfy 0 < low_freq_factor < high_freq_factor (the "
+            "blend between them divides by their difference); Llama 3 uses 1 and 4",
+        )
+        _require(
+            r.original_max_position_embeddings > 0,
+            "model.rope_scaling.original_max_position_embeddings="
+            f"{r.original_max_position_embeddings} must be > 0 (Llama 3 uses 8192)",
+        )
     e = cfg.eval
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _require(

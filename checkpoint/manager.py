@@ -456,9 +456,13 @@ class CheckpointManager:
         self._check_loaded_finite(path, state, decision["hint"])
         train = _find(state, TrainState)
         if train is not None and train.step != step:
+            # _decide made the directory name and the manifest agree (where the name is a
+            # step directory's): both are named as the source of `step`.
+            source = "directory name and manifest say" if store.dir_step(path) else "manifest says"
             raise ConfigError(
-                f"checkpoint {path}: its manifest says step {step} but its train "
-                f"state says {train.step}; the checkpoint is inconsistent"
+                f"checkpoint {path}: its {source} step {step} but its train state (the step "
+                f"the saved training had reached) says {train.step}; the checkpoint is "
+                f"inconsistent and was not resumed from; {decision['hint']}"
             )
         if self.rank == 0 and self.saving and self.cfg.resume != "auto":
             for p in store.abandon_newer(self.root, step):
@@ -608,6 +612,22 @@ class CheckpointManager:
         problem = problem or self._metadata_problem(found.path)
         if problem:
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
+        named = store.dir_step(found.path)
+        recorded = (store.read_manifest(found.path) or {}).get("step")
+        if named is not None and recorded != named:
+            return {
+                "path": None,
+                "step": 0,
+                "error": (
+                    f"checkpoint {found.path}: its directory name says step {named} but its "
+                    f"{store.MANIFEST} says step {recorded}; the checkpoint is inconsistent "
+                    f"(renamed by hand? then rename it back to {store.step_name(recorded)} if "
+                    f"that step is not taken); {hint}, or move it away"
+                    if isinstance(recorded, int)
+                    else f"checkpoint {found.path}: its {store.MANIFEST} records no step; "
+                    f"{hint}, or move it away"
+                ),
+            }
         saved_file = found.path / store.CONFIG_FILE
         saved_yaml = saved_file.read_text() if saved_file.is_file() else None
         try:
@@ -769,8 +789,41 @@ class CheckpointManager:
                 f"as they were loaded ({time.perf_counter() - t0:.2f}s, this rank read "
                 f"{reader.bytes_read / 2**30:.2f} GiB; {reader.phases()})"
             )
+        self._check_request_finite(path, request, hint)
         for key, part in state.items():
             part.load_state_dict(request[key])
+
+    def _check_request_finite(self, path: Path, request: dict[str, Any], hint: str) -> None:
+        """Every rank, after the read and before any Stateful takes the values: every loaded
+        floating tensor other than the model's (those are checked once loaded, with their
+        quantized forms: `_check_loaded_finite`) is finite: optimizer moments and masters, TE
+        scales and amax histories. A nan there passes every hash (it was saved so) and stops
+        the run at its next step as a non-finite loss, on every rerun of the same command.
+        One flag per tensor, on its device, and one host sync for all."""
+        names, flags = [], []
+        for fqn, value in _flatten(request).items():
+            if fqn.startswith("model.") or not isinstance(value, torch.Tensor):
+                continue
+            flag = _all_finite(getattr(value, "_local_tensor", value).detach())
+            if flag is not None:
+                names.append(fqn)
+                flags.append(flag)
+        bad = []
+        if flags:
+            where = flags[0].device
+            ok = torch.stack([f.to(where) for f in flags]).tolist()
+            bad = [n for n, good in zip(names, ok) if not good]
+        if self._pg is not None:
+            everyone: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(everyone, bad, group=self._pg)
+            bad = sorted(set().union(*everyone))
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            saved_so = "; its files match their hashes: saved so" if self.cfg.checksum else ""
+            raise ConfigError(
+                f"checkpoint {path} holds non-finite values (nan or inf in {bad[0]}{more}"
+                f"{saved_so}); {hint}"
+            )
 
     # -- losses -------------------------------------------------------------------------------
 
