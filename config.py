@@ -20,6 +20,7 @@ from omegaconf import MISSING
 
 from checkpoint.config import MODES as CHECKPOINT_MODES
 from checkpoint.config import CheckpointConfig
+from checkpoint.health import POLICIES as LOSS_CHECKS
 from data.config import DataConfig
 from errors import ConfigError
 from model.config import ModelConfig
@@ -118,6 +119,11 @@ class ResumeConfig:
     #: checkpoint's config a resume accepts on purpose; the fields that change the training
     #: otherwise refuse to resume (`RESUME_FREE` lists those that may change freely).
     accept: list[str] = field(default_factory=list)
+    #: After a resume, the checkpoints from before it are not pruned until the segment's first
+    #: 3 logged losses are within the range the run logged before it (checkpoint/health.py).
+    #: When all 3 are above it: stop (one line naming the checkpoint resumed from and the older
+    #: one kept), continue (say so and go on, keeping them), or off (no check).
+    loss_check: str = "stop"
 
 
 @dataclass
@@ -342,6 +348,7 @@ def validate(cfg: Config) -> None:
         "of its own to resume; use checkpoint=sync (or async, async_process) to save and "
         "resume, or checkpoint.resume=<path> to start from a checkpoint without saving",
     )
+    _one_of(cfg.resume.loss_check, LOSS_CHECKS, "resume.loss_check")
     _one_of(cfg.logger.wandb.mode, WANDB_MODES, "logger.wandb.mode")
     _one_of(cfg.logger.wandb.resume, WANDB_RESUME, "logger.wandb.resume")
     _require(

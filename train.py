@@ -61,6 +61,7 @@ from parallel.cp import check_cp, token_align
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
 from recipes.switch import label, recipe_for_step, resolve_switches
+from runlog import read_metrics
 from runtime import (
     EXIT_REQUEUE,
     GcSchedule,
@@ -546,6 +547,9 @@ def run(cfg: Config) -> int:
         raise RuntimeError(f"resumed step {start_step}, planned {first_step - 1}")
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
+        # Older checkpoints stay until this segment's losses match the run's (health.py).
+        logged = read_metrics(run_dir / "metrics.jsonl") if rank == 0 else None
+        ckpt.watch_resumed_loss(logged, cfg.resume.loss_check)
     if rank == 0:  # a segment that trains (one with nothing to train returned): record it
         recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg), device=device.type)
         if segment.accepted:
@@ -659,6 +663,7 @@ def run(cfg: Config) -> int:
                     )
                 )
                 ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
+                ckpt.check_resumed_loss(step, loss_value)
                 # Checked where the loop syncs anyway: a stop lands within log_every steps.
                 stopping = stop is not None and stop.agreed(device)
 

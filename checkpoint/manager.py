@@ -101,6 +101,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hashing, staging, store
 from checkpoint.config import CheckpointConfig, validate
+from checkpoint.health import LossRange, ResumeWatch
 from checkpoint.planners import BlockLoadPlanner
 from checkpoint.preflight import format_bytes
 from checkpoint.reader import CheckpointReader, first_problem
@@ -393,6 +394,12 @@ class CheckpointManager:
                 agree=self._minimum if self._ctl is not None else None,
             )
         self._sync_staged: bool | None = None  # sync: staging decided (on the first use)
+        #: (path, step) of the checkpoint resumed from, in this manager's directory.
+        self._resumed: tuple[Path, int] | None = None
+        #: Checkpoints up to this step are not pruned (a resumed segment not yet healthy).
+        self._hold: int | None = None
+        self._watch: ResumeWatch | None = None
+        self._watch_policy = "off"
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -471,6 +478,7 @@ class CheckpointManager:
             dist.barrier(group=self._pg)
         same_dir = path.resolve().parent == self.root.resolve()
         self._last_saved_step = step if same_dir else None
+        self._resumed = (path, step) if same_dir else None
         seconds = time.perf_counter() - t0
         self._log(f"resumed from {path} (step {step}) in {seconds:.2f}s")
         if self.saving:  # a reading manager (train.eval_only, checkpoint=none) writes nothing
@@ -825,6 +833,61 @@ class CheckpointManager:
                 f"{saved_so}); {hint}"
             )
 
+    # -- a resumed segment's health (checkpoint/health.py) ------------------------------------
+
+    def watch_resumed_loss(self, records: list[dict] | None, policy: str = "stop") -> None:
+        """After `resume`: hold the checkpoints up to the resumed step from pruning until the
+        segment's first logged losses are within the range of `records` (rank 0's
+        metrics.jsonl; other ranks pass None), judged by `check_resumed_loss`. Nothing to
+        watch without a resume in this directory, without enough logged history, or with
+        policy off. Call on every rank."""
+        loss_range = None
+        if self.rank == 0 and records is not None and self._resumed is not None:
+            loss_range = LossRange.from_records(records, self._resumed[1])
+        loss_range = self._broadcast(loss_range)
+        if loss_range is None or policy == "off" or not self.saving or self._resumed is None:
+            return
+        self._watch, self._watch_policy = ResumeWatch(loss_range), policy
+        self._hold = self._resumed[1]
+
+    def check_resumed_loss(self, step: int, loss: float) -> None:
+        """Every rank at each log step, with the logged (rank-reduced) loss: releases the hold
+        once the resumed segment is healthy; when its first losses are all above the range,
+        stops the run in one line naming the checkpoint it resumed from and the older one
+        kept (resume.loss_check=stop), or says so and goes on holding them (continue)."""
+        if self._watch is None:
+            return
+        verdict = self._watch.observe(step, loss)
+        if verdict == "healthy":
+            self._hold = None
+            self._log(f"resumed segment healthy: {self._watch.describe()}")
+            if self.rank == 0 and self._pruner is not None:
+                self._pruner.submit(self._prune)
+        if verdict != "unhealthy":
+            return
+        path, resumed_step = self._resumed
+        older = [c for c in store.list_complete(self.root) if c.step < resumed_step]
+        kept = (
+            f"the older checkpoint {older[-1].path} is kept: resume from it with "
+            f"checkpoint.resume={older[-1].path}"
+            if older
+            else "no older checkpoint is kept (checkpoint.keep_last=1 pruned it before)"
+        )
+        line = (
+            f"the loss after resuming from {path} (step {resumed_step}) is above the range "
+            f"this run logged before it: {self._watch.describe()}; that checkpoint may hold "
+            "damage its checks cannot see (a changed weight whose hash was rewritten, or "
+            f"checkpoint.checksum=false); {kept}"
+        )
+        if self._watch_policy == "continue":
+            self._log(f"warning: {line}; going on (resume.loss_check=continue), holding it")
+            return
+        try:
+            self._wait_all()
+        finally:
+            self.close()
+        raise ConfigError(f"{line}; or go on with resume.loss_check=continue")
+
     # -- losses -------------------------------------------------------------------------------
 
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
@@ -1124,7 +1187,7 @@ class CheckpointManager:
         newest; `.tmp` directories being written are not listed)."""
         failed: list[tuple[Path, Path, str]] = []
         try:
-            pruned = store.prune(self.root, self.cfg.keep_last, failed)
+            pruned = store.prune(self.root, self.cfg.keep_last, failed, hold=self._hold)
         except OSError as e:  # a checkpoint left behind costs space, never a run
             self._log(f"could not prune old checkpoints in {self.root}: {e}")
             return

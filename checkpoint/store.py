@@ -361,15 +361,20 @@ def verify(path: Path, checksum: bool = True) -> str | None:
 
 
 def prune(
-    root: Path, keep_last: int, failed: list[tuple[Path, Path, str]] | None = None
+    root: Path,
+    keep_last: int,
+    failed: list[tuple[Path, Path, str]] | None = None,
+    hold: int | None = None,
 ) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep_last` (keep_last >= 1, so the
     newest complete one always stays; `.tmp` directories being written are never listed).
     Returns the checkpoints deleted; one whose files could not all be deleted is left renamed
     to `*.pruned.tmp` (ignored by resume) and goes to `failed` as (checkpoint, where it is
-    now, the first error) instead."""
+    now, the first error) instead. `hold`: checkpoints up to this step are kept whatever
+    their number (a resumed segment not yet shown healthy: checkpoint/health.py)."""
     done = list_complete(root)
     victims = done[: max(0, len(done) - max(1, keep_last))]
+    victims = [c for c in victims if hold is None or c.step > hold]
     deleted = []
     for c in victims:
         # Rename first so a crash mid-delete leaves an ignored .tmp, not a damaged checkpoint.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -171,3 +172,132 @@ def test_manifest_step_against_directory_name_and_train_state(tmp_path):
         f"was not resumed from; {_previous(root)}"
     )
     assert committed(root) == [2, 3]
+
+
+# -- 2. damage no check can see: the older checkpoint is kept until the loss says so ----------
+
+_RUN = [
+    "train.log_every=1",
+    "checkpoint=sync",
+    "checkpoint.interval=4",
+    "checkpoint.keep_last=2",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run at step 8 (checkpoints 4 and 8, every loss logged), copied by each test."""
+    import train
+
+    tmp = tmp_path_factory.mktemp("trained")
+    try:
+        assert train.run(_compose(tmp, "r", "train.steps=8", *_RUN)) == 0
+    finally:
+        close_open()
+    return tmp / "r"
+
+
+def _scale_weight(ckpt: Path, fqn: str, factor: float, rewrite_hash: bool) -> None:
+    """Multiply a saved weight by `factor` in place: every value stays finite."""
+    path, offset, length = _item(ckpt, fqn)
+    data = bytearray(path.read_bytes())
+    record = bytes(data[offset : offset + length])  # torch.save's (uncompressed) zip
+    tensor = torch.load(io.BytesIO(record), weights_only=True)
+    raw = tensor.numpy().tobytes()
+    at = offset + record.index(raw)
+    data[at : at + len(raw)] = (tensor * factor).numpy().tobytes()
+    path.write_bytes(bytes(data))
+    if rewrite_hash:
+        _rewrite_hash(ckpt, path.name)
+
+
+@pytest.mark.parametrize("checksum, policy", [(True, "stop"), (False, "stop"), (True, "continue")])
+def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
+    trained, tmp_path, checksum, policy
+):
+    """The issue's damage: a weight changed and its hash rewritten (or changed with
+    checkpoint.checksum=false). It used to resume, train on, and let keep_last=2 prune the
+    good step 4: nothing good was left."""
+    import train
+
+    shutil.copytree(trained, tmp_path / "r")
+    root = tmp_path / "r" / "checkpoints"
+    _scale_weight(root / "step_0000008", "model.lm_head.weight", 40.0, rewrite_hash=checksum)
+    if checksum:
+        assert store.verify(root / "step_0000008") is None  # every check passes
+    args = ["train.steps=16", "resume.accept=[train.steps]", *_RUN]
+    args += [f"checkpoint.checksum={str(checksum).lower()}", f"resume.loss_check={policy}"]
+    out = io.StringIO()
+    try:
+        with redirect_stdout(out):
+            if policy == "stop":
+                with pytest.raises(ConfigError) as e:
+                    train.run(_compose(tmp_path, "r", *args))
+            else:
+                assert train.run(_compose(tmp_path, "r", *args)) == 0
+    finally:
+        close_open()
+    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
+    before = [r["loss"] for r in records if r["step"] <= 8]
+    limit = max(before) + max(max(before) - min(before), 0.02 * max(before))
+    first = [r["loss"] for r in records if 9 <= r["step"] <= 11]
+    assert min(first) > limit  # the damage shows in the loss (what the check relies on)
+    expected = (
+        f"the loss after resuming from {root / 'step_0000008'} (step 8) is above the range this "
+        f"run logged before it: losses {', '.join(f'{v:.3f}' for v in first)} at steps 9-11, "
+        f"against at most {limit:.3f} (the last 8 losses logged before the resume: "
+        f"{min(before):.3f}-{max(before):.3f}); that checkpoint may hold damage its checks "
+        "cannot see (a changed weight whose hash was rewritten, or checkpoint.checksum=false); "
+        f"the older checkpoint {root / 'step_0000004'} is kept: resume from it with "
+        f"checkpoint.resume={root / 'step_0000004'}"
+    )
+    if policy == "stop":
+        assert str(e.value) == f"{expected}; or go on with resume.loss_check=continue"
+        assert committed(root) == [4, 8]
+        assert [r["step"] for r in records][-1] == 11  # stopped at the verdict
+    else:
+        assert (
+            f"checkpoint: warning: {expected}; going on (resume.loss_check=continue), holding it"
+        ) in out.getvalue().splitlines()
+        assert committed(root) == [4, 8, 12, 16]  # keep_last=2, and the held 4 and 8
+
+
+def test_healthy_resume_releases_the_hold(trained, tmp_path):
+    """An intact checkpoint: the segment is declared healthy after 3 logged losses and the
+    older checkpoints are pruned as keep_last says."""
+    import train
+
+    shutil.copytree(trained, tmp_path / "r")
+    root = tmp_path / "r" / "checkpoints"
+    out = io.StringIO()
+    try:
+        with redirect_stdout(out):
+            args = ["train.steps=12", "resume.accept=[train.steps]", *_RUN]
+            assert train.run(_compose(tmp_path, "r", *args)) == 0
+    finally:
+        close_open()
+    assert any(
+        x.startswith("checkpoint: resumed segment healthy: losses ")
+        for x in out.getvalue().splitlines()
+    ), out.getvalue()
+    assert committed(root) == [8, 12]
+
+
+def test_loss_range_limit_against_reference_numbers():
+    from checkpoint.health import LossRange, ResumeWatch
+
+    records = [{"step": s, "loss": v} for s, v in enumerate([9.0, 4.0, 3.7, 3.5, 3.6], 1)]
+    records.append({"step": 6, "loss": 99.0})  # after the resumed step: not the run's range
+    r = LossRange.from_records(records, resumed_step=5)
+    assert (r.low, r.high, r.count) == (3.5, 9.0, 5) and r.limit == 14.5
+    flat = LossRange.from_records([{"step": s, "loss": 2.0} for s in (1, 2, 3)], 3)
+    assert flat.limit == pytest.approx(2.04)  # the 2% floor
+    assert LossRange.from_records(records[:2], 5) is None  # too little history
+    watch = ResumeWatch(LossRange(3.5, 3.9, 20))  # limit 4.3
+    assert [watch.observe(s, v) for s, v in ((9, 5.6), (10, 4.0), (11, 5.5))] == [
+        None,
+        None,
+        "healthy",  # one loss within the range: a spike, not damage
+    ]
+    watch = ResumeWatch(LossRange(3.5, 3.9, 20))
+    assert [watch.observe(s, 5.6) for s in (9, 10, 11)] == [None, None, "unhealthy"]
