@@ -9,6 +9,7 @@ than one field are checked once, in `validate`, before any expensive work
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from omegaconf import MISSING
 
 from checkpoint.config import MODES as CHECKPOINT_MODES
 from checkpoint.config import CheckpointConfig
+from checkpoint.health import POLICIES as LOSS_CHECKS
 from data.config import DataConfig
 from errors import ConfigError
 from model.config import ModelConfig
@@ -117,6 +119,11 @@ class ResumeConfig:
     #: checkpoint's config a resume accepts on purpose; the fields that change the training
     #: otherwise refuse to resume (`RESUME_FREE` lists those that may change freely).
     accept: list[str] = field(default_factory=list)
+    #: After a resume, the checkpoints from before it are not pruned until the segment's first
+    #: 3 logged losses are within the range the run logged before it (checkpoint/health.py).
+    #: When all 3 are above it: stop (one line naming the checkpoint resumed from and the older
+    #: one kept), continue (say so and go on, keeping them), or off (no check).
+    loss_check: str = "stop"
 
 
 @dataclass
@@ -271,6 +278,31 @@ def validate(cfg: Config) -> None:
     _require(
         m.head_dim % 2 == 0, f"model head_dim={m.head_dim} (dim/n_heads) must be even for RoPE"
     )
+    # RoPE's fields: a value outside these ranges computes (no error) and trains a model
+    # whose positions are wrong or nan, which surfaces much later as a bad or non-finite loss.
+    _require(
+        math.isfinite(m.rope_theta) and m.rope_theta > 1,
+        f"model.rope_theta={m.rope_theta} must be a finite number > 1 (RoPE's base: the "
+        "wavelengths are rope_theta^(2i/head_dim); Llama 3 uses 500000)",
+    )
+    r = m.rope_scaling
+    if r is not None:
+        _require(
+            math.isfinite(r.factor) and r.factor >= 1,
+            f"model.rope_scaling.factor={r.factor} must be >= 1 (the long wavelengths are "
+            "slowed down by it), or set model.rope_scaling=null for plain RoPE",
+        )
+        _require(
+            0 < r.low_freq_factor < r.high_freq_factor and math.isfinite(r.high_freq_factor),
+            f"model.rope_scaling: low_freq_factor={r.low_freq_factor} and high_freq_factor="
+            f"{r.high_freq_factor} must satisfy 0 < low_freq_factor < high_freq_factor (the "
+            "blend between them divides by their difference); Llama 3 uses 1 and 4",
+        )
+        _require(
+            r.original_max_position_embeddings > 0,
+            "model.rope_scaling.original_max_position_embeddings="
+            f"{r.original_max_position_embeddings} must be > 0 (Llama 3 uses 8192)",
+        )
     e = cfg.eval
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _require(
@@ -316,6 +348,7 @@ def validate(cfg: Config) -> None:
         "of its own to resume; use checkpoint=sync (or async, async_process) to save and "
         "resume, or checkpoint.resume=<path> to start from a checkpoint without saving",
     )
+    _one_of(cfg.resume.loss_check, LOSS_CHECKS, "resume.loss_check")
     _one_of(cfg.logger.wandb.mode, WANDB_MODES, "logger.wandb.mode")
     _one_of(cfg.logger.wandb.resume, WANDB_RESUME, "logger.wandb.resume")
     _require(

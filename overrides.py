@@ -27,6 +27,17 @@ from errors import ConfigError
 #: Hydra flags that change what is composed: with one of them the check leaves it to Hydra.
 CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
 
+#: Hydra flags whose value is one of a few words: argparse answers a wrong one with its
+#: usage block (7 lines) before the error; checked here first.
+FLAG_CHOICES = {
+    "--cfg": ("job", "hydra", "all"),
+    "-c": ("job", "hydra", "all"),
+    "--info": ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
+    "-i": ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
+}
+#: Of those, the flags that may also stand alone (`--info` means `--info all`).
+_OPTIONAL_VALUE = ("--info", "-i")
+
 #: Free-form groups: any key below them is accepted (`+experiment.note=...`).
 FREE_FORM = ("experiment",)
 
@@ -226,3 +237,30 @@ def check_overrides(argv: Sequence[str]) -> None:
             raise
         except Exception as e:
             raise ConfigError(error_line(e)) from None
+
+
+def check_flags(argv: Sequence[str]) -> None:
+    """Raises ConfigError (one line) for a Hydra flag of FLAG_CHOICES with a value it does not
+    take (`--cfg jobs`), or without the value it needs."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in FLAG_CHOICES:
+            continue
+        choices = FLAG_CHOICES[flag]
+        if not eq:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is None or following.startswith("-") or "=" in following:
+                if flag in _OPTIONAL_VALUE:
+                    continue
+                raise ConfigError(
+                    f"{flag} needs one of {', '.join(choices)}; e.g. python train.py {flag} "
+                    f"{choices[0]}"
+                )
+            value = following
+        if value not in choices:
+            close = difflib.get_close_matches(value, choices, n=1)
+            hint = f"did you mean {flag} {close[0]}? " if close else ""
+            raise ConfigError(
+                f"{flag} {value}: not one of {', '.join(choices)}; {hint}e.g. python train.py "
+                f"{flag} {close[0] if close else choices[0]}"
+            )

@@ -56,12 +56,13 @@ from model import build_model, init_weights, resolve_impl, te_available
 from model.flops import peak_tflops, step_flops
 from model.memory import estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
-from overrides import check_overrides
+from overrides import check_flags, check_overrides
 from parallel import ParallelDims, parallelize
 from parallel.cp import check_cp, token_align
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
 from recipes.switch import label, recipe_for_step, resolve_switches
+from runlog import read_metrics
 from runtime import (
     EXIT_REQUEUE,
     GcSchedule,
@@ -280,6 +281,14 @@ def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, w
     return line, step
 
 
+def nothing_to_do(run_dir: Path, step: int, steps: int) -> str:
+    return (
+        f"nothing to do: {run_dir} is at step {step} and train.steps={steps}; to train "
+        f"further, extend this run with train.steps=N resume.accept=[train.steps] (N > {step}), "
+        "or start a separate run with run.name=NAME"
+    )
+
+
 def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenizer, say):
     """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
     returns the exit status (0). Nothing is written and no data is read."""
@@ -492,6 +501,12 @@ def run(cfg: Config) -> int:
     resume_from = ckpt.plan_resume(
         segment.yaml, check=segment.check, accept_corpus=segment.accepts("data.corpus")
     )
+    if resume_from >= cfg.train.steps:
+        # Nothing to train: nothing is built, loaded or written (a save here would commit the
+        # resumed state under the smaller train.steps, a checkpoint mislabeled as that step).
+        ckpt.close()
+        say(nothing_to_do(run_dir, resume_from, cfg.train.steps), flush=True)
+        return 0
     # The recipe of the first step this run trains (recipe.switch: the resumed step decides).
     switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
     first_step = 1 + resume_from
@@ -533,7 +548,10 @@ def run(cfg: Config) -> int:
         raise RuntimeError(f"resumed step {start_step}, planned {first_step - 1}")
     if start_step:
         apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
-    if rank == 0 and start_step < cfg.train.steps:  # a segment that trains: record it
+        # Older checkpoints stay until this segment's losses match the run's (health.py).
+        logged = read_metrics(run_dir / "metrics.jsonl") if rank == 0 else None
+        ckpt.watch_resumed_loss(logged, cfg.resume.loss_check)
+    if rank == 0:  # a segment that trains (one with nothing to train returned): record it
         recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg), device=device.type)
         if segment.accepted:
             accepted = "; ".join(map(str, segment.accepted))
@@ -564,13 +582,6 @@ def run(cfg: Config) -> int:
     )
     if device.type == "cpu" and n_params > 20e6:  # measured: model=small, 2 cores, 5 GB RSS
         logger.info("note: slow on CPU (model=small: ~1 min/step on 2 cores; model=tiny: 0.25 s)")
-    if start_step >= cfg.train.steps:
-        logger.info(
-            f"nothing to do: {run_dir} is at step {start_step} and train.steps="
-            f"{cfg.train.steps}; to train further, extend this run with train.steps=N "
-            "resume.accept=[train.steps] (N > "
-            f"{start_step}), or start a separate run with run.name=NAME"
-        )
 
     # 11. Train. The compute dtype is bf16 on GPU (TE's quantized GEMMs come from the recipe,
     #     inside the model), fp32 on CPU.
@@ -660,6 +671,7 @@ def run(cfg: Config) -> int:
                     )
                 )
                 ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
+                ckpt.check_resumed_loss(step, loss_value)
                 # Checked where the loop syncs anyway: a stop lands within log_every steps.
                 stopping = stop is not None and stop.agreed(device)
 
@@ -691,8 +703,7 @@ def run(cfg: Config) -> int:
                 return EXIT_REQUEUE
     ckpt.finish(cfg.train.steps, state)
     logger.finish()
-    if start_step < cfg.train.steps:
-        logger.info(f"done: step {cfg.train.steps} in {format_duration(clock.elapsed())}")
+    logger.info(f"done: step {cfg.train.steps} in {format_duration(clock.elapsed())}")
     return 0
 
 
@@ -745,6 +756,7 @@ def cli(argv: list[str]) -> int:
     preset) and every override (overrides.py: one line where Hydra prints many), runs the job(s) and returns the exit status (a multirun fails if any job did)."""
     rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
+        check_flags(argv)  # e.g. --cfg jobs: one line, not argparse's usage block
         check_experiment_overrides(sweep.override_args(argv))
         check_overrides(argv)  # every other wrong override, one line each (overrides.py)
     except ConfigError as e:

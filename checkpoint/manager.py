@@ -101,6 +101,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hashing, staging, store
 from checkpoint.config import CheckpointConfig, validate
+from checkpoint.health import LossRange, ResumeWatch
 from checkpoint.planners import BlockLoadPlanner
 from checkpoint.preflight import format_bytes
 from checkpoint.reader import CheckpointReader, first_problem
@@ -393,6 +394,12 @@ class CheckpointManager:
                 agree=self._minimum if self._ctl is not None else None,
             )
         self._sync_staged: bool | None = None  # sync: staging decided (on the first use)
+        #: (path, step) of the checkpoint resumed from, in this manager's directory.
+        self._resumed: tuple[Path, int] | None = None
+        #: Checkpoints up to this step are not pruned (a resumed segment not yet healthy).
+        self._hold: int | None = None
+        self._watch: ResumeWatch | None = None
+        self._watch_policy = "off"
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -456,9 +463,13 @@ class CheckpointManager:
         self._check_loaded_finite(path, state, decision["hint"])
         train = _find(state, TrainState)
         if train is not None and train.step != step:
+            # _decide made the directory name and the manifest agree (where the name is a
+            # step directory's): both are named as the source of `step`.
+            source = "directory name and manifest say" if store.dir_step(path) else "manifest says"
             raise ConfigError(
-                f"checkpoint {path}: its manifest says step {step} but its train "
-                f"state says {train.step}; the checkpoint is inconsistent"
+                f"checkpoint {path}: its {source} step {step} but its train state (the step "
+                f"the saved training had reached) says {train.step}; the checkpoint is "
+                f"inconsistent and was not resumed from; {decision['hint']}"
             )
         if self.rank == 0 and self.saving and self.cfg.resume != "auto":
             for p in store.abandon_newer(self.root, step):
@@ -467,6 +478,7 @@ class CheckpointManager:
             dist.barrier(group=self._pg)
         same_dir = path.resolve().parent == self.root.resolve()
         self._last_saved_step = step if same_dir else None
+        self._resumed = (path, step) if same_dir else None
         seconds = time.perf_counter() - t0
         self._log(f"resumed from {path} (step {step}) in {seconds:.2f}s")
         if self.saving:  # a reading manager (train.eval_only, checkpoint=none) writes nothing
@@ -608,6 +620,22 @@ class CheckpointManager:
         problem = problem or self._metadata_problem(found.path)
         if problem:
             return {"path": None, "step": 0, "error": self._damaged(found.path, problem, hint)}
+        named = store.dir_step(found.path)
+        recorded = (store.read_manifest(found.path) or {}).get("step")
+        if named is not None and recorded != named:
+            return {
+                "path": None,
+                "step": 0,
+                "error": (
+                    f"checkpoint {found.path}: its directory name says step {named} but its "
+                    f"{store.MANIFEST} says step {recorded}; the checkpoint is inconsistent "
+                    f"(renamed by hand? then rename it back to {store.step_name(recorded)} if "
+                    f"that step is not taken); {hint}, or move it away"
+                    if isinstance(recorded, int)
+                    else f"checkpoint {found.path}: its {store.MANIFEST} records no step; "
+                    f"{hint}, or move it away"
+                ),
+            }
         saved_file = found.path / store.CONFIG_FILE
         saved_yaml = saved_file.read_text() if saved_file.is_file() else None
         try:
@@ -769,8 +797,96 @@ class CheckpointManager:
                 f"as they were loaded ({time.perf_counter() - t0:.2f}s, this rank read "
                 f"{reader.bytes_read / 2**30:.2f} GiB; {reader.phases()})"
             )
+        self._check_request_finite(path, request, hint)
         for key, part in state.items():
             part.load_state_dict(request[key])
+
+    def _check_request_finite(self, path: Path, request: dict[str, Any], hint: str) -> None:
+        """Every rank, after the read and before any Stateful takes the values: every loaded
+        floating tensor other than the model's (those are checked once loaded, with their
+        quantized forms: `_check_loaded_finite`) is finite: optimizer moments and masters, TE
+        scales and amax histories. A nan there passes every hash (it was saved so) and stops
+        the run at its next step as a non-finite loss, on every rerun of the same command.
+        One flag per tensor, on its device, and one host sync for all."""
+        names, flags = [], []
+        for fqn, value in _flatten(request).items():
+            if fqn.startswith("model.") or not isinstance(value, torch.Tensor):
+                continue
+            flag = _all_finite(getattr(value, "_local_tensor", value).detach())
+            if flag is not None:
+                names.append(fqn)
+                flags.append(flag)
+        bad = []
+        if flags:
+            where = flags[0].device
+            ok = torch.stack([f.to(where) for f in flags]).tolist()
+            bad = [n for n, good in zip(names, ok) if not good]
+        if self._pg is not None:
+            everyone: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(everyone, bad, group=self._pg)
+            bad = sorted(set().union(*everyone))
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            saved_so = "; its files match their hashes: saved so" if self.cfg.checksum else ""
+            raise ConfigError(
+                f"checkpoint {path} holds non-finite values (nan or inf in {bad[0]}{more}"
+                f"{saved_so}); {hint}"
+            )
+
+    # -- a resumed segment's health (checkpoint/health.py) ------------------------------------
+
+    def watch_resumed_loss(self, records: list[dict] | None, policy: str = "stop") -> None:
+        """After `resume`: hold the checkpoints up to the resumed step from pruning until the
+        segment's first logged losses are within the range of `records` (rank 0's
+        metrics.jsonl; other ranks pass None), judged by `check_resumed_loss`. Nothing to
+        watch without a resume in this directory, without enough logged history, or with
+        policy off. Call on every rank."""
+        loss_range = None
+        if self.rank == 0 and records is not None and self._resumed is not None:
+            loss_range = LossRange.from_records(records, self._resumed[1])
+        loss_range = self._broadcast(loss_range)
+        if loss_range is None or policy == "off" or not self.saving or self._resumed is None:
+            return
+        self._watch, self._watch_policy = ResumeWatch(loss_range), policy
+        self._hold = self._resumed[1]
+
+    def check_resumed_loss(self, step: int, loss: float) -> None:
+        """Every rank at each log step, with the logged (rank-reduced) loss: releases the hold
+        once the resumed segment is healthy; when its first losses are all above the range,
+        stops the run in one line naming the checkpoint it resumed from and the older one
+        kept (resume.loss_check=stop), or says so and goes on holding them (continue)."""
+        if self._watch is None:
+            return
+        verdict = self._watch.observe(step, loss)
+        if verdict == "healthy":
+            self._hold = None
+            self._log(f"resumed segment healthy: {self._watch.describe()}")
+            if self.rank == 0 and self._pruner is not None:
+                self._pruner.submit(self._prune)
+        if verdict != "unhealthy":
+            return
+        path, resumed_step = self._resumed
+        older = [c for c in store.list_complete(self.root) if c.step < resumed_step]
+        kept = (
+            f"the older checkpoint {older[-1].path} is kept: resume from it with "
+            f"checkpoint.resume={older[-1].path}"
+            if older
+            else "no older checkpoint is kept (checkpoint.keep_last=1 pruned it before)"
+        )
+        line = (
+            f"the loss after resuming from {path} (step {resumed_step}) is above the range "
+            f"this run logged before it: {self._watch.describe()}; that checkpoint may hold "
+            "damage its checks cannot see (a changed weight whose hash was rewritten, or "
+            f"checkpoint.checksum=false); {kept}"
+        )
+        if self._watch_policy == "continue":
+            self._log(f"warning: {line}; going on (resume.loss_check=continue), holding it")
+            return
+        try:
+            self._wait_all()
+        finally:
+            self.close()
+        raise ConfigError(f"{line}; or go on with resume.loss_check=continue")
 
     # -- losses -------------------------------------------------------------------------------
 
@@ -1071,7 +1187,7 @@ class CheckpointManager:
         newest; `.tmp` directories being written are not listed)."""
         failed: list[tuple[Path, Path, str]] = []
         try:
-            pruned = store.prune(self.root, self.cfg.keep_last, failed)
+            pruned = store.prune(self.root, self.cfg.keep_last, failed, hold=self._hold)
         except OSError as e:  # a checkpoint left behind costs space, never a run
             self._log(f"could not prune old checkpoints in {self.root}: {e}")
             return

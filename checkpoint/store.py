@@ -60,7 +60,7 @@ class Checkpoint:
     step: int
 
 
-def _dir_step(path: Path) -> int | None:
+def dir_step(path: Path) -> int | None:
     m = _STEP_RE.match(path.name)
     return int(m.group(1)) if m else None
 
@@ -78,7 +78,7 @@ def list_complete(root: Path) -> list[Checkpoint]:
         return []
     found = []
     for p in root.iterdir():
-        step = _dir_step(p)
+        step = dir_step(p)
         if step is not None and _is_complete(p):
             found.append(Checkpoint(p, step))
     return sorted(found, key=lambda c: c.step)
@@ -96,7 +96,7 @@ def list_steps(root: Path) -> list[Checkpoint]:
     `.abandoned-*` and other names are not step directories (`renamed_steps`)."""
     if not root.is_dir():
         return []
-    found = [Checkpoint(p, s) for p in root.iterdir() if (s := _dir_step(p)) is not None]
+    found = [Checkpoint(p, s) for p in root.iterdir() if (s := dir_step(p)) is not None]
     return sorted(found, key=lambda c: c.step)
 
 
@@ -300,6 +300,11 @@ def verify_layout(path: Path) -> str | None:
         return problem
     manifest = read_manifest(path)
     save_id = manifest.get("save_id")
+    for rel in unlisted_files(path, manifest):
+        return (
+            f"file {rel} is not in {MANIFEST} (its entry was dropped: its size and hash cannot "
+            "be verified)"
+        )
     for rel, want in manifest["files"].items():
         p = path / rel
         if not p.is_file():
@@ -313,6 +318,19 @@ def verify_layout(path: Path) -> str | None:
             if problem:
                 return problem
     return None
+
+
+def unlisted_files(path: Path, manifest: dict) -> list[str]:
+    """The files of a checkpoint that its load reads (data files, `.metadata`, config.yaml)
+    but its manifest does not list: the load could not verify them. Other files (a note left
+    in the directory) are never read and not reported."""
+    read = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else []
+    return sorted(
+        p.name
+        for p in read
+        if (p.suffix == DATA_SUFFIX or p.name in (".metadata", CONFIG_FILE))
+        and p.name not in manifest["files"]
+    )
 
 
 def verify_hashes(path: Path, names: list[str], manifest: dict) -> str | None:
@@ -343,15 +361,20 @@ def verify(path: Path, checksum: bool = True) -> str | None:
 
 
 def prune(
-    root: Path, keep_last: int, failed: list[tuple[Path, Path, str]] | None = None
+    root: Path,
+    keep_last: int,
+    failed: list[tuple[Path, Path, str]] | None = None,
+    hold: int | None = None,
 ) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep_last` (keep_last >= 1, so the
     newest complete one always stays; `.tmp` directories being written are never listed).
     Returns the checkpoints deleted; one whose files could not all be deleted is left renamed
     to `*.pruned.tmp` (ignored by resume) and goes to `failed` as (checkpoint, where it is
-    now, the first error) instead."""
+    now, the first error) instead. `hold`: checkpoints up to this step are kept whatever
+    their number (a resumed segment not yet shown healthy: checkpoint/health.py)."""
     done = list_complete(root)
     victims = done[: max(0, len(done) - max(1, keep_last))]
+    victims = [c for c in victims if hold is None or c.step > hold]
     deleted = []
     for c in victims:
         # Rename first so a crash mid-delete leaves an ignored .tmp, not a damaged checkpoint.
@@ -399,9 +422,9 @@ def find_checkpoint(spec: Path) -> Checkpoint | None:
     if (spec / MANIFEST).is_file():
         manifest = read_manifest(spec)
         step = manifest.get("step") if isinstance(manifest, dict) else None
-        step = step if isinstance(step, int) else _dir_step(spec)
+        step = step if isinstance(step, int) else dir_step(spec)
         return Checkpoint(spec, int(step)) if step is not None else None
-    step = _dir_step(spec)
+    step = dir_step(spec)
     if step is not None:  # a step directory without manifest: damaged, verify says so
         return Checkpoint(spec, step)
     for root in (spec, spec / "checkpoints"):

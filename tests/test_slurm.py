@@ -189,6 +189,7 @@ def stop_mid_run(env, runs, args, name, job_id, targets, sig) -> int:
     assert proc.returncode == 0, out + log
     assert f"got SIG{sig.name.removeprefix('SIG')}" in log, log
     assert "trainer exit statuses: 3" in log, log
+    assert "SignalException" not in log, log  # the launcher's own signal: one line (launch.py)
     stopped_at = records(runs / name)[-1]["step"]
     assert 3 <= stopped_at < 24, log
     checkpoints = sorted(p.name for p in (runs / name / "checkpoints").iterdir())
@@ -452,8 +453,8 @@ def test_dry_run_prints_the_launch_outside_slurm(tmp_path):
     assert lines[3].startswith(f"rendezvous: {host}:29511 ")
     command = next(x for x in lines if x.startswith("command: "))
     want = (
-        f"command: srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=0 {sys.executable} -m "
-        f"torch.distributed.run --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
+        f"command: srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=0 {sys.executable} "
+        f"slurm/launch.py --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
         f"--rdzv-endpoint={host}:29511 --rdzv-id=0-0 --max-restarts=0 --shutdown-timeout=300 "
         "--signals-to-handle=SIGTERM\\,SIGINT\\,SIGHUP\\,SIGQUIT\\,SIGUSR1 slurm/run_trainer.py "
         f"train.py {' '.join(overrides)}"
@@ -493,3 +494,45 @@ def test_dry_run_prints_the_launch_outside_slurm(tmp_path):
     )
     assert r.returncode == 2 and r.stderr.startswith("error: train.sbatch runs inside a Slurm job")
     assert "DRY_RUN=1 bash slurm/train.sbatch" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_sigterm_to_the_launcher_is_one_line_and_the_trainers_save(tmp_path):
+    """A scheduler that signals the launcher (slurm/launch.py, torchrun in this process): the
+    trainers get the signal and save, and the launcher ends in one line of its own; stock
+    torchrun ended in its SignalException traceback after the trainers' line."""
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "slurm/launch.py",
+            "--standalone",
+            "--nproc-per-node=2",
+            "train.py",
+            *TRAIN,
+            f"run.root={runs}",
+            "run.name=sig",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while len(records(runs / "sig")) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the trainers did not log 2 steps in time"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # the launcher alone
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "Traceback" not in out and "SignalException" not in out, out
+    stopped_at = records(runs / "sig")[-1]["step"]
+    assert (
+        f"stop signal SIGTERM (received by every rank): checkpoint at step {stopped_at} saved; "
+        "every rank exits with status 3 for requeue"
+    ) in out, out
+    assert out.rstrip().splitlines()[-1] == (
+        "launcher: got SIGTERM: forwarded it to the trainers and waited for them to exit "
+        "(their lines above say what was saved)"
+    )
+    assert (runs / "sig" / "checkpoints" / f"step_{stopped_at:07d}" / "manifest.json").exists()

@@ -87,6 +87,22 @@ WRONG = [
         "error: train.dry_run and train.eval_only are two different commands",
         "set one of them",
     ),
+    (
+        ["model.rope_theta=0"],
+        "error: model.rope_theta=0.0 must be a finite number > 1 (RoPE's base",
+        "Llama 3 uses 500000",
+    ),
+    (
+        ["model.rope_scaling.high_freq_factor=1"],
+        "error: model.rope_scaling: low_freq_factor=1.0 and high_freq_factor=1.0 must satisfy "
+        "0 < low_freq_factor < high_freq_factor",
+        "Llama 3 uses 1 and 4",
+    ),
+    (
+        ["--cfg", "jobs"],
+        "error: --cfg jobs: not one of job, hydra, all; did you mean --cfg job?",
+        "e.g. python train.py --cfg job",
+    ),
 ]
 
 
