@@ -43,7 +43,7 @@ def corpus_fingerprint(cfg: DataConfig) -> str | None:
     """A short name of the exact corpus data=embedded trains on, recorded in every checkpoint
     and compared on resume: the Python version whose standard library it is built from and a
     hash of its files' names and contents. None for the other sources (their identity is
-    their config: data.path, data.subset, ...; synthetic data comes from data.seed)."""
+    their config: data.path, data.subset, ...; synthetic data is made from its data fields)."""
     if cfg.name != "embedded" or cfg.max_bytes <= 0:
         return None
     paths, texts = _stdlib_documents(cfg.max_bytes)
@@ -115,8 +115,8 @@ def synthetic_lengths(cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
     - whole_rows: every document ceil(doc_len / (seq_len + 1)) x (seq_len + 1), whole samples
       of the loader (it cuts sample i at i x (seq_len + 1)), so no sample holds a boundary.
 
-    Drawn in batches of 2 x max_bytes / doc_len from `rng` until they reach max_bytes (one
-    batch for fixed and in practice for the others: their first batch is the former stream's).
+    Drawn in batches of 2 x max_bytes / doc_len from `rng` until they reach max_bytes (in
+    practice one batch, which for fixed and exponential is what earlier versions drew).
     """
     if cfg.doc_len_dist == "whole_rows":
         row = cfg.seq_len + 1
@@ -148,9 +148,9 @@ def synthetic_tokens(cfg: DataConfig, tok) -> np.ndarray:
     """data=synthetic: a token stream of data.max_bytes tokens packed as every corpus is
     ([BOS] ids [EOS] per document), ids drawn uniformly from the ordinary ids (those below
     the smallest special id: `SyntheticVocabulary`'s model.vocab_size - 2, the byte
-    tokenizer's 256) and document lengths from `synthetic_lengths`. Seeded by data.doc_len
-    alone, so every rank and every resume builds the same stream; made for throughput
-    measurements at a known document length."""
+    tokenizer's 256) and document lengths from `synthetic_lengths`. A function of the data
+    fields (the generator seeded by data.doc_len), so every rank and every resume builds the
+    same stream; made for throughput measurements at a known document length."""
     if cfg.max_bytes <= 0:
         raise ConfigError(f"data.max_bytes={cfg.max_bytes} must be > 0")
     rng = np.random.default_rng([7, cfg.doc_len])
