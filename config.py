@@ -195,7 +195,7 @@ DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
 WANDB_RESUME = ("auto", "rewind", "hold")
 DATA_SOURCES = ("embedded", "hf", "synthetic")
-DOC_LEN_DISTRIBUTIONS = ("fixed", "exponential")
+DOC_LEN_DISTRIBUTIONS = ("fixed", "exponential", "lognormal", "whole_rows")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -316,12 +316,37 @@ def validate(cfg: Config) -> None:
     )
     if d.name == "synthetic":
         _require(d.doc_len >= 2, f"data.doc_len={d.doc_len} must be >= 2 (BOS and EOS)")
-        _one_of(d.doc_len_dist, DOC_LEN_DISTRIBUTIONS, "data.doc_len_dist")
+        _require(
+            d.doc_len_dist in DOC_LEN_DISTRIBUTIONS,
+            f"data.doc_len_dist={d.doc_len_dist!r} is not one of "
+            f"{', '.join(DOC_LEN_DISTRIBUTIONS)}; set data.doc_len_dist to one of them",
+        )
+        _require(
+            d.doc_len_dist != "lognormal" or d.doc_len_sigma > 0,
+            f"data.doc_len_sigma={d.doc_len_sigma} must be > 0 with data.doc_len_dist=lognormal "
+            "(the spread of the lengths' log; 1.0 is a heavy tail)",
+        )
+        _require(
+            m.vocab_size >= 3,
+            f"model.vocab_size={m.vocab_size} is too small for data=synthetic (its ids are "
+            "below model.vocab_size - 2, then BOS and EOS); set model.vocab_size >= 3",
+        )
         _require(
             e.every == 0,
             "eval.every > 0 needs held-out documents, which data=synthetic has none of; set "
             "eval.every=0",
         )
+    _require(
+        d.min_doc_len >= 0,
+        f"data.min_doc_len={d.min_doc_len} must be >= 0 (0: one document per file; N: files "
+        "joined into documents of at least N tokens)",
+    )
+    _require(
+        d.min_doc_len == 0 or d.name == "embedded",
+        f"data.min_doc_len={d.min_doc_len} joins the files of data=embedded, not data={d.name}; "
+        "set data.min_doc_len=0"
+        + (" (long synthetic documents: data.doc_len_dist)" if d.name == "synthetic" else ""),
+    )
     _require(
         d.name != "hf" or bool(d.path),
         "data.path is required with data=hf (a hub dataset name or local files)",

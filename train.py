@@ -48,7 +48,7 @@ from config import (
     validate,
     validate_batch,
 )
-from data import build_data, build_tokenizer
+from data import build_data, build_tokenizer, vocabulary_line
 from data.sources import check_source, corpus_fingerprint
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
@@ -319,7 +319,7 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
     )
     say(
         f"data: data={cfg.data.name} seq_len={cfg.data.seq_len} global batch "
-        f"{cfg.train.global_batch_size} sequences, tokenizer vocabulary {tokenizer.vocab_size}",
+        f"{cfg.train.global_batch_size} sequences, {vocabulary_line(cfg.data, tokenizer)}",
         flush=True,
     )
     say(plan, flush=True)
@@ -470,7 +470,8 @@ def run(cfg: Config) -> int:
         say(line, flush=True)
     if device.type == "cuda":
         say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
-    tokenizer = build_tokenizer(cfg.data)
+    # data=synthetic loads no tokenizer: its random ids need only the model's vocabulary size.
+    tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "

@@ -1,6 +1,6 @@
 """Data: the embedded corpus, Hugging Face datasets, tokenizers, packing, a resumable loader.
 
-    tok = build_tokenizer(cfg.data)
+    tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)  # synthetic: ids only
     loader = build_loader(cfg.data, tok, global_batch_size=G, dp_rank=r, dp_size=dp)
     x = loader.next_batch()          # (G // dp, seq_len + 1); inputs x[:, :-1], labels x[:, 1:]
     docs = loader.boundaries(x[:, :-1])  # with data.document_mask: where its documents are
@@ -21,7 +21,13 @@ from data.loader import (
     build_eval_batches,
     build_loader,
 )
-from data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    SyntheticVocabulary,
+    build_tokenizer,
+    vocabulary_line,
+)
 
 __all__ = [
     "ByteTokenizer",
@@ -31,8 +37,10 @@ __all__ = [
     "HFTokenizer",
     "PackedLoader",
     "StreamingLoader",
+    "SyntheticVocabulary",
     "build_data",
     "build_eval_batches",
     "build_loader",
     "build_tokenizer",
+    "vocabulary_line",
 ]

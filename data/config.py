@@ -8,8 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class DataConfig:
     #: embedded (Python stdlib source text, byte tokenizer, no download) | hf | synthetic
-    #: (documents of random tokens with lengths from data.doc_len / data.doc_len_dist: for
-    #: benchmarks of document masking; nothing to learn)
+    #: (documents of random ids below model.vocab_size with lengths from data.doc_len /
+    #: data.doc_len_dist, no tokenizer loaded: for speed measurements; nothing to learn)
     name: str = "embedded"
     #: hf: a hub dataset name, or local files/dir (jsonl, json, parquet, txt; globs allowed).
     path: str | None = None
@@ -22,7 +22,8 @@ class DataConfig:
     #: hf: read the dataset as a stream (no download or token cache first; shuffled within
     #: data.shuffle_buffer documents).
     streaming: bool = False
-    #: "byte" (built-in byte-level tokenizer) or an AutoTokenizer name/local path.
+    #: "byte" (built-in byte-level tokenizer) or an AutoTokenizer name/local path. Not used
+    #: by data=synthetic (its ids need only model.vocab_size; nothing is loaded).
     tokenizer: str = "byte"
     #: Training sequence length (tokens per sample); packed, no padding.
     seq_len: int = 256
@@ -32,12 +33,25 @@ class DataConfig:
     #: around every document (data/documents.py). docs/DOCUMENT_MASKING.md has the figures
     #: behind the default.
     document_mask: bool = True
-    #: synthetic: mean document length in tokens (BOS and EOS included), and how lengths are
-    #: drawn: fixed (every document doc_len tokens) | exponential (geometric, mean doc_len).
+    #: synthetic: document length in tokens (BOS and EOS included): the length, mean or
+    #: least length as data.doc_len_dist says.
     doc_len: int = 2048
-    #: synthetic: fixed | exponential (see doc_len).
+    #: synthetic: how document lengths are drawn. fixed: every document doc_len tokens |
+    #: exponential: geometric, mean doc_len | lognormal: log-normal, mean doc_len, spread
+    #: data.doc_len_sigma (long documents with a heavy tail, as in long-context corpora) |
+    #: whole_rows: every document fills ceil(doc_len / (seq_len + 1)) whole samples, so it is
+    #: at least as long as the sequence and no sample holds a document boundary (document
+    #: masking then attends as causal attention over the sequence does).
     doc_len_dist: str = "fixed"
-    #: embedded: cap on corpus size in bytes.
+    #: synthetic lognormal: standard deviation of the natural log of the lengths (> 0); 1.0:
+    #: median 0.61 x doc_len, one document in 20 longer than 3.1 x doc_len.
+    doc_len_sigma: float = 1.0
+    #: embedded: consecutive files of the corpus (in its order) joined into one document until
+    #: it holds at least this many tokens (BOS and EOS included; a short rest joins the last
+    #: one), for loss curves of long-context training. Joined files are not natural long
+    #: documents: unrelated files follow each other inside one. 0: one document per file.
+    min_doc_len: int = 0
+    #: embedded: cap on corpus size in bytes. synthetic: the stream's length in tokens.
     max_bytes: int = 8_000_000
     #: Seed of the sample order (independent of the model seed).
     shuffle_seed: int = 0

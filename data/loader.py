@@ -33,16 +33,18 @@ import torch
 
 from data.config import DataConfig
 from data.documents import DocumentBoundaries
-from data.packing import pack_dataset, stream_samples
+from data.packing import join_documents, pack_dataset, split_documents, stream_samples
 from data.sources import (
     check_text_field,
     embedded_dataset,
     eval_documents,
     hf_dataset,
+    synthetic_summary,
     synthetic_tokens,
     training_documents,
 )
 from data.token_cache import load_tokens
+from data.tokenizer import vocabulary_line
 from errors import ConfigError
 
 
@@ -240,6 +242,18 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
+def joined_stream(tokens: np.ndarray, tok, min_doc_len: int) -> np.ndarray:
+    """data.min_doc_len: the packed corpus with consecutive files joined into documents of at
+    least min_doc_len tokens (data/packing.py join_documents)."""
+    docs = list(join_documents(split_documents(tokens, tok), tok, min_doc_len))
+    if len(docs[0]) < min_doc_len:
+        raise ConfigError(
+            f"data.min_doc_len={min_doc_len} is more than the whole corpus ({len(tokens):,} "
+            "tokens); lower data.min_doc_len or raise data.max_bytes"
+        )
+    return np.concatenate(docs)
+
+
 def build_loader(
     cfg: DataConfig,
     tok,
@@ -287,6 +301,8 @@ def _build_loader(
         with _quiet_datasets():
             ds = embedded_dataset(cfg)
             tokens = pack_dataset(training_documents(ds, cfg) if hold_out else ds, tok, "text")
+        if cfg.min_doc_len:
+            tokens = joined_stream(tokens, tok, cfg.min_doc_len)
         return PackedLoader(
             tokens,
             shuffle=cfg.shuffle,
@@ -361,9 +377,8 @@ def build_eval_batches(
     needed = batches * global_batch_size
     with _quiet_datasets():
         docs = eval_documents(cfg)
-        samples = list(
-            itertools.islice(stream_samples(docs, tok, cfg.text_field, cfg.seq_len + 1), needed)
-        )
+        samples = stream_samples(docs, tok, cfg.text_field, cfg.seq_len + 1, cfg.min_doc_len)
+        samples = list(itertools.islice(samples, needed))
     if len(samples) < needed:
         source = (
             f"data.eval_split={cfg.eval_split}"
@@ -378,6 +393,16 @@ def build_eval_batches(
     local = global_batch_size // dp_size
     rows = np.stack(samples).reshape(batches, global_batch_size, cfg.seq_len + 1)
     return torch.from_numpy(rows[:, dp_rank * local : (dp_rank + 1) * local].astype(np.int64))
+
+
+def source_note(cfg: DataConfig, tok) -> str:
+    """What build_data's first line adds after the sequence length: synthetic documents and
+    that no tokenizer was loaded, or the joining of files (data.min_doc_len); else nothing."""
+    if cfg.name == "synthetic":
+        return f"; {synthetic_summary(cfg)}; {vocabulary_line(cfg, tok)}"
+    if cfg.min_doc_len:
+        return f"; consecutive files joined into documents of >= {cfg.min_doc_len:,} tokens"
+    return ""
 
 
 def build_data(
@@ -395,7 +420,7 @@ def build_data(
     evaluation on, the held-out documents (data.eval_fraction) leave the training data unless
     data.eval_split names a split of their own."""
     t0 = time.perf_counter()
-    log(f"data: preparing data={cfg.name} (seq_len {cfg.seq_len})")
+    log(f"data: preparing data={cfg.name} (seq_len {cfg.seq_len}{source_note(cfg, tok)})")
     layout = dict(global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     loader = build_loader(cfg, tok, **layout, hold_out=eval_batches > 0 and cfg.eval_split is None)
     held_out = None

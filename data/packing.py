@@ -9,11 +9,12 @@ identically, so with shuffling off they produce the same samples in the same ord
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import datasets
 import numpy as np
 
+from data.documents import document_starts
 from data.tokenizer import documents_to_ids, token_dtype
 
 # Bump when the token stream layout changes, so cached tokenizations are not reused.
@@ -100,21 +101,62 @@ def pack_dataset(ds: datasets.Dataset, tok, text_field: str, desc: str | None = 
     return np.concatenate(parts)
 
 
+def join_documents(docs: Iterable[np.ndarray], tok, min_len: int) -> Iterator[np.ndarray]:
+    """Consecutive packed documents ([BOS] ids [EOS]) joined into documents of at least
+    `min_len` tokens, in order: the EOS and BOS between two joined documents are dropped, so
+    the boundary rule (data/documents.py) sees one document. A rest shorter than `min_len` at
+    the end joins the last document (the only one shorter: the input is shorter than
+    `min_len`). Lazy, one joined document ahead."""
+    head = 0 if tok.bos_id is None else 1
+
+    def joined(group: list[np.ndarray]) -> np.ndarray:
+        if len(group) == 1:
+            return group[0]
+        inner = [d[head:-1] for d in group[1:-1]]
+        return np.concatenate([group[0][:-1], *inner, group[-1][head:]])
+
+    ready, group, size = None, [], 0
+    for doc in docs:
+        size += len(doc) - (head + 1 if group else 0)
+        group.append(doc)
+        if size >= min_len:
+            if ready is not None:
+                yield ready
+            ready, group, size = joined(group), [], 0
+    if group:
+        ready = joined(group if ready is None else [ready, *group])
+    if ready is not None:
+        yield ready
+
+
+def split_documents(tokens: np.ndarray, tok) -> list[np.ndarray]:
+    """A packed token stream cut into its documents (the boundary rule of data/documents.py)."""
+    starts = np.flatnonzero(document_starts(tokens[None, :], tok.bos_id, tok.eos_id)[0])
+    return np.split(tokens, starts[1:])
+
+
 def stream_samples(
-    ds: datasets.IterableDataset, tok, text_field: str, sample_len: int
+    ds: datasets.IterableDataset, tok, text_field: str, sample_len: int, min_doc_len: int = 0
 ) -> Iterator[np.ndarray]:
-    """Packed samples of `sample_len` tokens from a stream of documents, in stream order."""
+    """Packed samples of `sample_len` tokens from a stream of documents, in stream order;
+    with `min_doc_len`, consecutive documents joined to that length first (join_documents)."""
     dtype = token_dtype(tok)
+    docs = (
+        doc
+        for batch in ds.iter(batch_size=_TOKENIZE_BATCH)
+        for doc in documents_to_ids(tok, _texts(batch, text_field), dtype)
+    )
+    if min_doc_len:
+        docs = join_documents(docs, tok, min_doc_len)
     pending: list[np.ndarray] = []
     buffered = 0
-    for batch in ds.iter(batch_size=_TOKENIZE_BATCH):
-        for doc in documents_to_ids(tok, _texts(batch, text_field), dtype):
-            pending.append(doc)
-            buffered += len(doc)
-            if buffered < sample_len:
-                continue
-            flat = np.concatenate(pending)
-            n = len(flat) // sample_len
-            yield from flat[: n * sample_len].reshape(n, sample_len)
-            rest = flat[n * sample_len :]
-            pending, buffered = [rest], len(rest)
+    for doc in docs:
+        pending.append(doc)
+        buffered += len(doc)
+        if buffered < sample_len:
+            continue
+        flat = np.concatenate(pending)
+        n = len(flat) // sample_len
+        yield from flat[: n * sample_len].reshape(n, sample_len)
+        rest = flat[n * sample_len :]
+        pending, buffered = [rest], len(rest)

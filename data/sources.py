@@ -43,7 +43,7 @@ def corpus_fingerprint(cfg: DataConfig) -> str | None:
     """A short name of the exact corpus data=embedded trains on, recorded in every checkpoint
     and compared on resume: the Python version whose standard library it is built from and a
     hash of its files' names and contents. None for the other sources (their identity is
-    their config: data.path, data.subset, ...; synthetic data comes from data.seed)."""
+    their config: data.path, data.subset, ...; synthetic data is made from its data fields)."""
     if cfg.name != "embedded" or cfg.max_bytes <= 0:
         return None
     paths, texts = _stdlib_documents(cfg.max_bytes)
@@ -103,23 +103,58 @@ def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:
 # --- synthetic documents -----------------------------------------------------------------
 
 
+def synthetic_lengths(cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
+    """data=synthetic's document lengths in tokens (BOS and EOS included), in stream order,
+    enough of them for data.max_bytes tokens (data.doc_len_dist):
+
+    - fixed: every document data.doc_len;
+    - exponential: 1 + geometric(1 / (doc_len - 1)), at least 2, mean doc_len;
+    - lognormal: exp(N(ln(doc_len) - sigma^2 / 2, sigma^2)) rounded, so the mean is doc_len
+      and the median doc_len x exp(-sigma^2 / 2) (sigma = data.doc_len_sigma); raised to 2
+      and cut at data.max_bytes (a longer document is cut by the stream's end anyway);
+    - whole_rows: every document ceil(doc_len / (seq_len + 1)) x (seq_len + 1), whole samples
+      of the loader (it cuts sample i at i x (seq_len + 1)), so no sample holds a boundary.
+
+    Drawn in batches of 2 x max_bytes / doc_len from `rng` until they reach max_bytes (in
+    practice one batch, which for fixed and exponential is what earlier versions drew).
+    """
+    if cfg.doc_len_dist == "whole_rows":
+        row = cfg.seq_len + 1
+        length = -(-cfg.doc_len // row) * row
+        return np.full(-(-cfg.max_bytes // length), length, dtype=np.int64)
+    count = -(-cfg.max_bytes // cfg.doc_len) * 2
+    parts, total = [], 0
+    while total < cfg.max_bytes:
+        if cfg.doc_len_dist == "fixed":
+            part = np.full(count, cfg.doc_len, dtype=np.int64)
+        elif cfg.doc_len_dist == "exponential":  # 2 + (geometric - 1): BOS and EOS, mean doc_len
+            part = 1 + rng.geometric(1 / max(cfg.doc_len - 1, 1), size=count)
+        elif cfg.doc_len_dist == "lognormal":
+            sigma = cfg.doc_len_sigma
+            drawn = rng.lognormal(np.log(cfg.doc_len) - sigma**2 / 2, sigma, size=count)
+            part = np.clip(np.rint(drawn), 2, cfg.max_bytes).astype(np.int64)
+        else:
+            raise ConfigError(
+                f"data.doc_len_dist={cfg.doc_len_dist!r} is not one of fixed, exponential, "
+                "lognormal, whole_rows; set data.doc_len_dist to one of them"
+            )
+        parts.append(part)
+        total += int(part.sum())
+    lengths = np.concatenate(parts)
+    return lengths[: np.searchsorted(np.cumsum(lengths), cfg.max_bytes) + 1]
+
+
 def synthetic_tokens(cfg: DataConfig, tok) -> np.ndarray:
     """data=synthetic: a token stream of data.max_bytes tokens packed as every corpus is
-    ([BOS] ids [EOS] per document), ids drawn uniformly from the tokenizer's ordinary ids and
-    document lengths (BOS and EOS included) of exactly data.doc_len tokens (fixed) or drawn
-    from a geometric distribution with mean data.doc_len (exponential). Seeded, so every rank
-    and every resume builds the same stream; made for throughput measurements at a known
-    document length."""
+    ([BOS] ids [EOS] per document), ids drawn uniformly from the ordinary ids (those below
+    the smallest special id: `SyntheticVocabulary`'s model.vocab_size - 2, the byte
+    tokenizer's 256) and document lengths from `synthetic_lengths`. A function of the data
+    fields (the generator seeded by data.doc_len), so every rank and every resume builds the
+    same stream; made for throughput measurements at a known document length."""
     if cfg.max_bytes <= 0:
         raise ConfigError(f"data.max_bytes={cfg.max_bytes} must be > 0")
     rng = np.random.default_rng([7, cfg.doc_len])
-    count = -(-cfg.max_bytes // cfg.doc_len) * 2  # enough documents for max_bytes tokens
-    if cfg.doc_len_dist == "fixed":
-        lengths = np.full(count, cfg.doc_len, dtype=np.int64)
-    else:  # 2 + (geometric - 1): at least BOS and EOS, mean doc_len
-        lengths = 1 + rng.geometric(1 / max(cfg.doc_len - 1, 1), size=count)
-    ends = np.cumsum(lengths)
-    lengths = lengths[: np.searchsorted(ends, cfg.max_bytes) + 1]
+    lengths = synthetic_lengths(cfg, rng)
     ends = np.cumsum(lengths)
     specials = {tok.eos_id} | ({tok.bos_id} if tok.bos_id is not None else set())
     ordinary = min(specials)  # the byte tokenizer's and Llama's specials follow the ordinary ids
@@ -129,6 +164,22 @@ def synthetic_tokens(cfg: DataConfig, tok) -> np.ndarray:
     if tok.bos_id is not None:
         tokens[starts] = tok.bos_id
     return tokens[: cfg.max_bytes].astype(token_dtype(tok))
+
+
+def synthetic_summary(cfg: DataConfig) -> str:
+    """data=synthetic's document lengths in words, for the data log line."""
+    d = cfg.doc_len_dist
+    if d == "whole_rows":
+        rows = -(-cfg.doc_len // (cfg.seq_len + 1))
+        return (
+            f"documents of {rows} whole sample{'s' * (rows > 1)} "
+            f"({rows * (cfg.seq_len + 1):,} tokens; no boundary inside a sample)"
+        )
+    if d == "lognormal":
+        return f"documents of log-normal length, mean {cfg.doc_len:,}, sigma {cfg.doc_len_sigma}"
+    if d == "exponential":
+        return f"documents of geometric length, mean {cfg.doc_len:,}"
+    return f"documents of {cfg.doc_len:,} tokens"
 
 
 # --- Hugging Face datasets ---------------------------------------------------------------

@@ -41,6 +41,23 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+class SyntheticVocabulary:
+    """data=synthetic's ids, without a tokenizer: ordinary ids 0..vocab_size-3, BOS
+    vocab_size-2 and EOS vocab_size-1 (with the tiny model's 258 these are the byte
+    tokenizer's ids). It has no text to encode or decode: random ids need only the size."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 3:
+            raise ConfigError(
+                f"model.vocab_size={vocab_size} is too small for data=synthetic (ordinary ids, "
+                "then BOS and EOS); set model.vocab_size >= 3"
+            )
+        self.vocab_size = vocab_size
+        self.bos_id = vocab_size - 2
+        self.eos_id = vocab_size - 1
+        self.fingerprint = f"synthetic-{vocab_size}"
+
+
 class HFTokenizer:
     """`transformers.AutoTokenizer` behind the ByteTokenizer surface.
 
@@ -182,13 +199,31 @@ def locate_tokenizer(spec: str) -> tuple[str, bool]:
     return spec, False
 
 
-def build_tokenizer(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
-    """data.tokenizer == "byte" -> ByteTokenizer, else AutoTokenizer from a name or local path."""
+def build_tokenizer(
+    cfg: DataConfig, vocab_size: int | None = None
+) -> ByteTokenizer | HFTokenizer | SyntheticVocabulary:
+    """data.tokenizer == "byte" -> ByteTokenizer, else AutoTokenizer from a name or local path.
+    data=synthetic loads none, whatever data.tokenizer says: its ids are those of
+    `SyntheticVocabulary(vocab_size)` (train.py passes model.vocab_size)."""
+    if cfg.name == "synthetic":
+        if vocab_size is None:
+            raise ValueError("data=synthetic needs the model's vocab_size (no tokenizer is loaded)")
+        return SyntheticVocabulary(vocab_size)
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     if not cfg.tokenizer:
         raise ConfigError("data.tokenizer is empty; set data.tokenizer=byte or a tokenizer name")
     return HFTokenizer(cfg.tokenizer)
+
+
+def vocabulary_line(cfg: DataConfig, tok) -> str:
+    """What the data's ids come from, for the start-up lines (dry run, data preparation)."""
+    if isinstance(tok, SyntheticVocabulary):
+        return (
+            f"no tokenizer loaded (data=synthetic: random ids, vocabulary {tok.vocab_size} = "
+            f"model.vocab_size; data.tokenizer={cfg.tokenizer!r} is not used)"
+        )
+    return f"tokenizer vocabulary {tok.vocab_size}"
 
 
 def token_dtype(tok) -> np.dtype:

@@ -105,6 +105,34 @@ BAD = [
     (["checkpoint.mode=sometimes"], 1, "checkpoint.mode='sometimes' is not one of"),
     (["logger.wandb.mode=maybe"], 1, "logger.wandb.mode='maybe' is not one of"),
     (["data=hf"], 1, "data.path is required with data=hf"),
+    (
+        ["data=synthetic", "data.seq_len=256", "data.doc_len_dist=normal"],
+        1,
+        "data.doc_len_dist='normal' is not one of fixed, exponential, lognormal, whole_rows; "
+        "set data.doc_len_dist to one of them",
+    ),
+    (
+        [
+            "data=synthetic",
+            "data.seq_len=256",
+            "data.doc_len_dist=lognormal",
+            "data.doc_len_sigma=0",
+        ],
+        1,
+        "data.doc_len_sigma=0.0 must be > 0 with data.doc_len_dist=lognormal",
+    ),
+    (
+        ["data=synthetic", "data.seq_len=256", "model.vocab_size=2"],
+        1,
+        "model.vocab_size=2 is too small for data=synthetic",
+    ),
+    (["data.min_doc_len=-1"], 1, "data.min_doc_len=-1 must be >= 0"),
+    (
+        ["data=synthetic", "data.seq_len=256", "data.min_doc_len=4096"],
+        1,
+        "data.min_doc_len=4096 joins the files of data=embedded, not data=synthetic; set "
+        "data.min_doc_len=0 (long synthetic documents: data.doc_len_dist)",
+    ),
     (["model.impl=jax"], 1, "model.impl='jax' is not one of auto, te, torch"),
     (["parallel=hsdp"], 1, "parallel"),
     (["parallel=tp", "parallel.tp=3"], 4, "parallel.tp"),

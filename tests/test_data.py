@@ -61,6 +61,35 @@ def test_byte_tokenizer_roundtrip():
     assert tok.decode([tok.bos_id, *ids, tok.eos_id]) == text  # specials are not bytes
 
 
+def test_synthetic_data_loads_no_tokenizer(monkeypatch, tmp_path):
+    """experiment=llama3_8b_32k data=synthetic offline, with an empty Hugging Face cache: the
+    preset's data.tokenizer (a hub name) is not loaded; the ids are the model vocabulary's
+    (BOS and EOS its last two ids), and the data log line says that no tokenizer was loaded."""
+    from config import compose_config
+    from data import SyntheticVocabulary, build_data
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    cfg = compose_config(["experiment=llama3_8b_32k", "data=synthetic", "data.max_bytes=1500000"])
+    assert cfg.data.tokenizer == "meta-llama/Llama-3.1-8B" and cfg.model.vocab_size == 128256
+    tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+    assert isinstance(tok, SyntheticVocabulary)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (128256, 128254, 128255)
+    lines = []
+    loader, _ = build_data(
+        cfg.data, tok, global_batch_size=8, dp_rank=0, dp_size=1, log=lines.append
+    )
+    assert lines[0] == (
+        "data: preparing data=synthetic (seq_len 32768; documents of 2,048 tokens; no tokenizer "
+        "loaded (data=synthetic: random ids, vocabulary 128256 = model.vocab_size; "
+        "data.tokenizer='meta-llama/Llama-3.1-8B' is not used))"
+    )
+    rows = loader.next_batch()
+    ordinary = rows[rows < tok.bos_id]
+    assert rows.max() == tok.eos_id and ordinary.max() > 120_000 and ordinary.min() < 1000
+    assert (rows == tok.bos_id).sum() == (rows == tok.eos_id).sum() > 100  # 2048-token documents
+
+
 def test_embedded_corpus_deterministic_and_real():
     cfg = DataConfig(name="embedded", max_bytes=2_000_000)
     paths1, texts1 = stdlib_documents(cfg.max_bytes)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +24,7 @@ from data.documents import DocumentBoundaries, Documents, document_starts
 from data.loader import build_loader
 from data.packing import pack_dataset
 from data.sources import embedded_dataset, synthetic_tokens
-from data.tokenizer import ByteTokenizer, documents_to_ids
+from data.tokenizer import ByteTokenizer, SyntheticVocabulary, documents_to_ids
 from model.config import ModelConfig
 from model.hf import hf_config, to_hf_state_dict
 from model.init import init_weights
@@ -226,6 +227,176 @@ def test_synthetic_documents_have_the_asked_lengths(dist, mean):
     else:  # geometric: mean `mean`, standard deviation about as large
         assert abs(lengths.mean() / mean - 1) < 0.05 and lengths.std() > 0.8 * mean
         assert lengths.min() >= 2
+
+
+def emitted_starts(loader, steps: int) -> list[int]:
+    """Stream offsets where the loader's boundary rule starts a document inside a row
+    (shuffle off, one rank: row k of the order is stream[k * (seq + 1): ...])."""
+    sample = loader.sample_len
+    out = []
+    for t in range(steps):
+        rows = loader.next_batch()
+        positions = loader.boundaries(rows[:, :-1]).positions
+        for r, c in zip(*np.nonzero(positions.numpy()[:, 1:] == 0)):
+            out.append((t * len(rows) + int(r)) * sample + int(c) + 1)
+    return out
+
+
+def inner_starts(stream: np.ndarray, starts: np.ndarray, sample: int, steps_rows: int) -> list:
+    """The document starts of `stream` that the first `steps_rows` rows hold inside a row."""
+    end = steps_rows * sample
+    return [int(s) for s in starts if s < end and s % sample not in (0, sample - 1)]
+
+
+@pytest.mark.parametrize("doc_len, rows_per_doc", [(4096, 1), (10_000, 3)])
+def test_whole_row_documents_leave_no_boundary_inside_a_row(doc_len, rows_per_doc):
+    """doc_len_dist=whole_rows at seq 4096: each document fills whole samples (as long as the
+    sequence or longer), so no row of any batch holds a boundary; the same lengths drawn as
+    fixed documents do."""
+    tok = SyntheticVocabulary(1000)
+    cfg = DataConfig(
+        name="synthetic",
+        seq_len=4096,
+        doc_len=doc_len,
+        doc_len_dist="whole_rows",
+        max_bytes=300_000,
+    )
+    sample = cfg.seq_len + 1
+    tokens = synthetic_tokens(cfg, tok)
+    starts = np.flatnonzero(tokens == tok.bos_id)
+    np.testing.assert_array_equal(starts, np.arange(0, len(tokens), rows_per_doc * sample))
+    assert (tokens[starts[1:] - 1] == tok.eos_id).all()
+    loader = build_loader(cfg, tok, global_batch_size=4, dp_rank=0, dp_size=1)
+    for _ in range(loader.samples_per_epoch // 4 + 2):  # past an epoch, shuffled
+        rows = loader.next_batch()
+        docs = loader.boundaries(rows[:, :-1])
+        assert docs.whole_rows and docs.max_seqlen == cfg.seq_len
+        if rows_per_doc == 1:  # each sample is one document: BOS first, EOS the last label
+            assert (rows[:, 0] == tok.bos_id).all() and (rows[:, -1] == tok.eos_id).all()
+    fixed = build_loader(
+        dataclasses.replace(cfg, doc_len_dist="fixed"),
+        tok,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+    )
+    assert not all(fixed.boundaries(fixed.next_batch()[:, :-1]).whole_rows for _ in range(4))
+
+
+@pytest.mark.parametrize("mean, sigma", [(512, 1.0), (2048, 0.5)])
+def test_lognormal_lengths_follow_the_distribution(mean, sigma):
+    """doc_len_dist=lognormal: over the n whole documents of a 1M-token stream, the mean of
+    ln(length) is within 3 sigma / sqrt(n) of ln(doc_len) - sigma^2 / 2 (its expectation),
+    their standard deviation within 5% of sigma, the mean length within 10% of doc_len; the
+    stream is the same on every build (seeded) and the loader's boundaries are its documents."""
+    tok = SyntheticVocabulary(1000)
+    cfg = DataConfig(
+        name="synthetic",
+        seq_len=1024,
+        doc_len=mean,
+        doc_len_dist="lognormal",
+        doc_len_sigma=sigma,
+        max_bytes=1_000_000,
+        shuffle=False,
+    )
+    tokens = synthetic_tokens(cfg, tok)
+    assert len(tokens) == cfg.max_bytes and tokens.dtype == np.uint16
+    assert tokens[tokens < tok.bos_id].max() > 900  # ids from the whole ordinary range
+    starts = np.flatnonzero(tokens == tok.bos_id)
+    assert (tokens[starts[1:] - 1] == tok.eos_id).all()
+    lengths = np.diff(starts)
+    logs, n = np.log(lengths), len(lengths)
+    assert abs(logs.mean() - (np.log(mean) - sigma**2 / 2)) < 3 * sigma / np.sqrt(n)
+    assert abs(logs.std() / sigma - 1) < 0.05
+    assert abs(lengths.mean() / mean - 1) < 0.10 and lengths.min() >= 2
+    np.testing.assert_array_equal(synthetic_tokens(cfg, tok), tokens)
+    other = synthetic_tokens(dataclasses.replace(cfg, doc_len_sigma=sigma * 1.5), tok)
+    assert not np.array_equal(np.flatnonzero(other == tok.bos_id)[:50], starts[:50])
+
+    loader = build_loader(cfg, tok, global_batch_size=8, dp_rank=0, dp_size=1)
+    steps = loader.samples_per_epoch // 8
+    want = inner_starts(tokens, starts, loader.sample_len, steps * 8)
+    assert emitted_starts(loader, steps) == want and len(want) > 0.9 * n
+
+
+def joined_reference(texts: list[str], min_len: int) -> list[str]:
+    """Files joined greedily in order until a document has min_len tokens (bytes + BOS and
+    EOS); a short rest joins the last one. Built from the texts, without data.packing."""
+    groups, group, size = [], [], 0
+    for text in texts:
+        group.append(text)
+        size += len(text.encode("utf-8")) + (2 if len(group) == 1 else 0)
+        if size >= min_len:
+            groups.append(group)
+            group, size = [], 0
+    if group:
+        groups[-1] += group
+    return ["".join(g) for g in groups]
+
+
+def test_joined_embedded_files_are_the_documents_masking_sees():
+    """data=embedded with data.min_doc_len: consecutive files joined (no BOS/EOS between
+    them) into documents of at least min_doc_len tokens; the loader's rows are that stream
+    and its boundaries are the joined documents' starts; the held-out batches are joined
+    held-out files."""
+    from data.loader import build_eval_batches
+    from data.sources import held_out_mask, stdlib_documents
+    from tests.test_data import expected_stream
+
+    tok = ByteTokenizer()
+    cfg = DataConfig(max_bytes=1_000_000, min_doc_len=30_000, seq_len=1024, shuffle=False)
+    _, texts = stdlib_documents(cfg.max_bytes)
+    joined = joined_reference(texts, cfg.min_doc_len)
+    assert 8 < len(joined) < len(texts) / 2
+    assert min(len(j.encode("utf-8")) + 2 for j in joined) >= cfg.min_doc_len
+    stream = expected_stream(tok, joined)
+    loader = build_loader(cfg, tok, global_batch_size=4, dp_rank=0, dp_size=1)
+    steps = loader.samples_per_epoch // 4
+    assert loader.samples_per_epoch == len(stream) // loader.sample_len
+    starts = np.flatnonzero(stream == tok.bos_id)
+    want = inner_starts(stream, starts, loader.sample_len, steps * 4)
+    assert emitted_starts(loader, steps) == want
+    rows = build_loader(cfg, tok, global_batch_size=4, dp_rank=0, dp_size=1).next_batch()
+    np.testing.assert_array_equal(rows.numpy().reshape(-1), stream[: 4 * loader.sample_len])
+
+    held = [t for t, out in zip(texts, held_out_mask(len(texts), 0.2)) if out]
+    ref = expected_stream(tok, joined_reference(held, cfg.min_doc_len))
+    ev = build_eval_batches(
+        dataclasses.replace(cfg, eval_fraction=0.2),
+        tok,
+        batches=2,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+    )
+    np.testing.assert_array_equal(ev.numpy().reshape(-1), ref[: 8 * loader.sample_len])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(name="synthetic", doc_len=300, doc_len_dist="lognormal", doc_len_sigma=0.7),
+        dict(name="synthetic", doc_len=100, doc_len_dist="whole_rows"),
+        dict(name="embedded", min_doc_len=3000),
+    ],
+    ids=["lognormal", "whole_rows", "embedded-joined"],
+)
+def test_long_document_sources_resume_exactly(kw):
+    """A fresh loader given the saved position continues the order bit for bit (2 ranks
+    saved, 1 resumed; past an epoch boundary)."""
+    tok = SyntheticVocabulary(258) if kw["name"] == "synthetic" else ByteTokenizer()
+    cfg = DataConfig(seq_len=128, max_bytes=60_000, shuffle_seed=5, **kw)
+    one = build_loader(cfg, tok, global_batch_size=8, dp_rank=0, dp_size=1)
+    total = one.samples_per_epoch // 8 + 4
+    ref = [one.next_batch() for _ in range(total)]
+    two = [build_loader(cfg, tok, global_batch_size=8, dp_rank=r, dp_size=2) for r in (0, 1)]
+    k = total - 6
+    for t in range(k):
+        assert torch.equal(torch.cat([ld.next_batch() for ld in two]), ref[t])
+    resumed = build_loader(cfg, tok, global_batch_size=8, dp_rank=0, dp_size=1)
+    resumed.load_state_dict(two[0].state_dict())
+    for t in range(k, total):
+        assert torch.equal(resumed.next_batch(), ref[t]), t
 
 
 def test_loader_order_does_not_depend_on_document_masking():

@@ -28,6 +28,29 @@ def lines(text: str) -> list[str]:
     return [x for x in text.splitlines() if x.strip()]
 
 
+def test_long_context_preset_with_synthetic_data_needs_no_tokenizer(tmp_path):
+    """experiment=llama3_8b_32k data=synthetic offline with an empty Hugging Face cache: the
+    preset's hub tokenizer is never asked for (its dry run passes and says so). One process,
+    so parallel.cp=1; the tokenizer step does not depend on cp."""
+    r = launch(
+        [
+            "experiment=llama3_8b_32k",
+            "data=synthetic",
+            "parallel.cp=1",
+            "train.dry_run=true",
+            f"run.root={tmp_path}",
+        ],
+        env={**CPU_ENV, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (
+        "data: data=synthetic seq_len=32768 global batch 32 sequences, no tokenizer loaded "
+        "(data=synthetic: random ids, vocabulary 128256 = model.vocab_size; "
+        "data.tokenizer='meta-llama/Llama-3.1-8B' is not used)"
+    ) in lines(r.stdout)
+
+
 def test_dry_run_then_extending_a_run(tmp_path):
     status, out, err = run(tmp_path, "train.steps=4", "train.dry_run=true")
     assert status == 0, out + err

@@ -9,9 +9,11 @@
 A case is `model:layout:recipe:activation_checkpointing:micro_batch[:documents]`, where recipe
 may end in `+q` (recipe.quantized_init=true) and activation_checkpointing is none, full, mlp or
 selective, optionally with `/N` for every N-th block (`full/2`). `documents` sets the document
-lengths: `fixed/N` (every document N tokens) or `exp/N` (lengths drawn from a geometric
-distribution with mean N), on data=synthetic with document-masked attention, or `causal`
-(the same synthetic data, causal attention across documents: data.document_mask=false):
+lengths: `fixed/N` (every document N tokens), `exp/N` (lengths drawn from a geometric
+distribution with mean N), `logn/N` (log-normal, mean N, data.doc_len_sigma 1) or `rows/N`
+(every document ceil(N / (seq + 1)) whole rows: no boundary inside a row, long context's
+causal-equivalent case), on data=synthetic with document-masked attention, or `causal` (the
+same synthetic data, causal attention across documents: data.document_mask=false):
 
     python tools/bench_step.py --case llama3_1b:fsdp:bf16:none:4:causal \
         --case llama3_1b:fsdp:bf16:none:4:fixed/8192 --case llama3_1b:fsdp:bf16:none:4:exp/2048
@@ -65,7 +67,7 @@ DEFAULT_CASES = [
 ]
 
 
-DOC_LENGTHS = {"fixed": "fixed", "exp": "exponential"}
+DOC_LENGTHS = {"fixed": "fixed", "exp": "exponential", "logn": "lognormal", "rows": "whole_rows"}
 
 
 def parse_documents(text: str) -> dict:
@@ -110,7 +112,7 @@ def parse_case(text: str) -> dict:
     except ValueError:
         raise SystemExit(
             f"--case {text!r}: expected model:layout:recipe[+q]:none|full|mlp|selective[/N]:"
-            "micro_batch[:causal|fixed/N|exp/N][@key=value...]"
+            "micro_batch[:causal|fixed/N|exp/N|logn/N|rows/N][@key=value...]"
         ) from None
 
 
