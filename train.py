@@ -129,6 +129,7 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
         sequence_parallel=dims.sequence_parallel,
         activation_checkpointing=p.activation_checkpointing,
         quantized_weights=cfg.recipe.quantized_init,
+        accumulating=grad_accum > 1,
     )
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
     line = f"memory: about {est['total']:.1f} GiB per GPU ({parts})"

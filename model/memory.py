@@ -43,12 +43,15 @@ def estimate_gpu_memory(
     sequence_parallel: bool = False,
     activation_checkpointing: str = "none",
     quantized_weights: bool = False,
+    accumulating: bool = False,
 ) -> dict[str, float]:
     """Peak GPU memory of one rank in GiB, by part, before anything is built (the start-up
     estimate of train.py). `shards`: the ranks one weight is split over (dp_shard x cp x tp).
 
     Parts: `states` (fp32 parameters or FP8 ones with fp32 masters, Adam's two moments, and
-    half the fp32 gradients, which fill in as the backward frees activations); `activations`
+    the fp32 gradient shards: half of them, which fill in as the backward frees activations,
+    or, when `accumulating` micro batches, all of them from the first micro batch's backward
+    on, while later micro batches hold their activations); `activations`
     of the micro batch's seq_len / cp tokens per rank (per block and token, bf16: the block
     input, the norms' and projections' inputs and outputs, 2 x (6 dim + 2 kv_dim + 3 ffn_dim)
     bytes, with the mode's recomputation: `selective` keeps all but the MLP's fc1 and SwiGLU
@@ -56,15 +59,18 @@ def estimate_gpu_memory(
     tensor parallelism divides the head and FFN parts, and with sequence parallelism the rest);
     `weights` (two gathered bf16 blocks and the gathered embedding and head) and `buffers` (the
     loss's logit chunks). Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
-    one GPU, llama3_8b micro batch 1 on two): none 56.1 / 84.4 GiB (estimate 55.8 / 91.1),
-    selective 29.1 / 75.0 (33.3 / 70.8), full 22.1 / 65.8 (23.1 / 60.2): within 15%."""
+    one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1); llama3_8b
+    micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs with
+    quantized_init none 100.5 (102.3), selective 81.0 (82.0); tests/test_model.py holds the
+    table."""
     from model.flops import parameter_count
 
     params = parameter_count(mcfg)
     h, layers, ffn = mcfg.dim, mcfg.n_layers, mcfg.ffn_dim
     kv = mcfg.n_kv_heads * mcfg.head_dim
     weight_bytes = (1 + 4) if quantized_weights else 4  # FP8 weight + fp32 master, or fp32
-    states = (weight_bytes + 8 + 2) * params / shards
+    grad_bytes = 4 if accumulating else 2
+    states = (weight_bytes + 8 + grad_bytes) * params / shards
     tokens = micro_batch * seq_len / cp
     replicated = 2 * 6 * h / (tp if sequence_parallel else 1)  # dim-sized activations
     mlp_out = 2 * 3 * ffn / tp  # fc1 output (gate, up) and SwiGLU output
