@@ -61,8 +61,8 @@ def estimate_gpu_memory(
     loss's logit chunks). Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
     one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1); llama3_8b
     micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs with
-    quantized_init none 100.5 (102.3), selective 81.0 (82.0); tests/test_model.py holds the
-    table."""
+    quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full 67.1
+    (67.7); tests/test_model.py holds the table."""
     from model.flops import parameter_count
 
     params = parameter_count(mcfg)

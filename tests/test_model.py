@@ -310,6 +310,8 @@ MEASURED_8B_ACCUMULATING_GIB = {
     ("bf16", False, "none"): 99.15,
     ("fp8_cs", True, "none"): 100.45,
     ("fp8_cs", True, "selective"): 81.03,
+    ("fp8_cs", True, "full"): 72.5,
+    ("bf16", False, "full"): 67.1,
 }
 
 
