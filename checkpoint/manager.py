@@ -85,7 +85,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -527,20 +527,7 @@ class CheckpointManager:
         would stop the run at its first step with a non-finite loss instead."""
         verified = self.cfg.checksum
         model = _find(state, ModelState)
-        bad: list[str] = []
-        if model is not None:
-            names, flags = [], []
-            for name, p in model.model.named_parameters():
-                flag = _all_finite(getattr(p, "_local_tensor", p).detach())
-                if flag is not None:
-                    names.append(name)
-                    flags.append(flag)
-            if flags:  # one host sync for all of them
-                bad = [n for n, ok in zip(names, torch.stack(flags).tolist()) if not ok]
-        if self._pg is not None:
-            everyone: list[Any] = [None] * dist.get_world_size(self._pg)
-            dist.all_gather_object(everyone, bad, group=self._pg)
-            bad = sorted(set().union(*everyone))
+        bad = self._non_finite_everywhere(model.model.named_parameters() if model else ())
         if bad:
             more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
             raise ConfigError(
@@ -801,20 +788,15 @@ class CheckpointManager:
         for key, part in state.items():
             part.load_state_dict(request[key])
 
-    def _check_request_finite(self, path: Path, request: dict[str, Any], hint: str) -> None:
-        """Every rank, after the read and before any Stateful takes the values: every loaded
-        floating tensor other than the model's (those are checked once loaded, with their
-        quantized forms: `_check_loaded_finite`) is finite: optimizer moments and masters, TE
-        scales and amax histories. A nan there passes every hash (it was saved so) and stops
-        the run at its next step as a non-finite loss, on every rerun of the same command.
-        One flag per tensor, on its device, and one host sync for all."""
+    def _non_finite_everywhere(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """The names of `named` tensors (this rank's shards) that hold nan or inf on any rank:
+        one flag per tensor on its device (`_all_finite`), one host sync for this rank's
+        flags, then the ranks' lists gathered. Every rank calls it."""
         names, flags = [], []
-        for fqn, value in _flatten(request).items():
-            if fqn.startswith("model.") or not isinstance(value, torch.Tensor):
-                continue
-            flag = _all_finite(getattr(value, "_local_tensor", value).detach())
+        for name, t in named:
+            flag = _all_finite(getattr(t, "_local_tensor", t).detach())
             if flag is not None:
-                names.append(fqn)
+                names.append(name)
                 flags.append(flag)
         bad = []
         if flags:
@@ -825,6 +807,20 @@ class CheckpointManager:
             everyone: list[Any] = [None] * dist.get_world_size(self._pg)
             dist.all_gather_object(everyone, bad, group=self._pg)
             bad = sorted(set().union(*everyone))
+        return bad
+
+    def _check_request_finite(self, path: Path, request: dict[str, Any], hint: str) -> None:
+        """Every rank, after the read and before any Stateful takes the values: every loaded
+        floating tensor other than the model's (those are checked once loaded, with their
+        quantized forms: `_check_loaded_finite`) is finite: optimizer moments and masters, TE
+        scales and amax histories. A nan there passes every hash (it was saved so) and stops
+        the run at its next step as a non-finite loss, on every rerun of the same command.
+        One flag per tensor, on its device, and one host sync for all."""
+        bad = self._non_finite_everywhere(
+            (fqn, value)
+            for fqn, value in _flatten(request).items()
+            if not fqn.startswith("model.") and isinstance(value, torch.Tensor)
+        )
         if bad:
             more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
             saved_so = "; its files match their hashes: saved so" if self.cfg.checksum else ""

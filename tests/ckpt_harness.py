@@ -9,11 +9,13 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from checkpoint import CheckpointManager, TrainState, training_state
 from checkpoint.config import CheckpointConfig
+from errors import ConfigError
 from model.init import init_weights
 from model.llama import Llama
 from steps import next_token_loss, train_step
@@ -110,3 +112,19 @@ def two_checkpoints(run_dir: Path, **kw) -> Path:
     root = run_dir / "checkpoints"
     assert committed(root) == [2, 4]
     return root
+
+
+def refused(run_dir: Path, **kw) -> str:
+    """The one-line ConfigError a `Run` of 6 steps in `run_dir` stops with."""
+    with pytest.raises(ConfigError) as e:
+        Run(run_dir, **kw).train(6)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def previous_hint(root: Path) -> str:
+    """The way out a refusal names when step 4 is refused and step 2 is complete."""
+    return (
+        f"pass checkpoint.resume={root / 'step_0000002'} to resume from the previous complete "
+        "checkpoint"
+    )

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint import hashing, store
 from checkpoint.manager import close_open
 from errors import ConfigError
-from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
+from tests.ckpt_harness import SMALL, Run, committed, previous_hint, refused, two_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -41,20 +41,6 @@ def _rewrite_hash(ckpt: Path, name: str) -> None:
     algorithm, _ = hashing.recorded(entry)
     entry[algorithm] = hashing.hash_file(ckpt / name, algorithm)
     (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
-
-
-def _refused(run_dir: Path, **kw) -> str:
-    with pytest.raises(ConfigError) as e:
-        Run(run_dir, **kw).train(6)
-    assert "\n" not in str(e.value)
-    return str(e.value)
-
-
-def _previous(root: Path) -> str:
-    return (
-        f"pass checkpoint.resume={root / 'step_0000002'} to resume from the previous complete "
-        "checkpoint"
-    )
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:
@@ -123,10 +109,10 @@ def test_nan_adam_moment_with_rewritten_hash_is_refused_with_the_way_out(tmp_pat
     assert store.verify(root / "step_0000004") is None  # every check passes
     line = (
         f"checkpoint {root / 'step_0000004'} holds non-finite values (nan or inf in {fqn}; its "
-        f"files match their hashes: saved so); {_previous(root)}"
+        f"files match their hashes: saved so); {previous_hint(root)}"
     )
-    assert _refused(tmp_path) == line
-    assert _refused(tmp_path) == line  # the same command: the same line, nothing changed
+    assert refused(tmp_path) == line
+    assert refused(tmp_path) == line  # the same command: the same line, nothing changed
     assert committed(root) == [2, 4]
     # The way out the line names works.
     start, losses = Run(tmp_path, resume=str(root / "step_0000002")).train(6)
@@ -137,7 +123,7 @@ def test_nan_adam_moment_with_rewritten_hash_is_refused_with_the_way_out(tmp_pat
 # -- 4. what the manifest says ----------------------------------------------------------------
 
 
-def test_file_dropped_from_the_manifest_is_refused(tmp_path):
+def test_file_dropped_from_the_manifest_isrefused(tmp_path):
     """Its size and hash could not be checked: it used to load without a word."""
     root = two_checkpoints(tmp_path)
     ckpt = root / "step_0000004"
@@ -146,10 +132,10 @@ def test_file_dropped_from_the_manifest_is_refused(tmp_path):
     del manifest["files"][name]
     (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
     for checksum in (True, False):
-        assert _refused(tmp_path, checksum=checksum) == (
+        assert refused(tmp_path, checksum=checksum) == (
             f"checkpoint {ckpt} is damaged (file {name} is not in manifest.json (its entry was "
             "dropped: its size and hash cannot be verified)) and was not loaded; "
-            f"{_previous(root)}, or move the damaged directory away"
+            f"{previous_hint(root)}, or move the damaged directory away"
         )
     assert committed(root) == [2, 4]
 
@@ -158,18 +144,18 @@ def test_manifest_step_against_directory_name_and_train_state(tmp_path):
     root = two_checkpoints(tmp_path)
     renamed = root / "step_0000003"
     (root / "step_0000004").rename(renamed)
-    assert _refused(tmp_path) == (
+    assert refused(tmp_path) == (
         f"checkpoint {renamed}: its directory name says step 3 but its manifest.json says step "
         "4; the checkpoint is inconsistent (renamed by hand? then rename it back to "
-        f"step_0000004 if that step is not taken); {_previous(root)}, or move it away"
+        f"step_0000004 if that step is not taken); {previous_hint(root)}, or move it away"
     )
     manifest = store.read_manifest(renamed)
     manifest["step"] = 3
     (renamed / store.MANIFEST).write_text(json.dumps(manifest))
-    assert _refused(tmp_path) == (
+    assert refused(tmp_path) == (
         f"checkpoint {renamed}: its directory name and manifest say step 3 but its train state "
         "(the step the saved training had reached) says 4; the checkpoint is inconsistent and "
-        f"was not resumed from; {_previous(root)}"
+        f"was not resumed from; {previous_hint(root)}"
     )
     assert committed(root) == [2, 3]
 

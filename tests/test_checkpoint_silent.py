@@ -27,7 +27,7 @@ from checkpoint.manager import close_open
 from checkpoint.writer_process import WriterProcess
 from errors import ConfigError
 from runtime import host_id
-from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
+from tests.ckpt_harness import SMALL, Run, committed, previous_hint, refused, two_checkpoints
 from tests.distributed import run_distributed
 from tests.helpers import CPU_ENV
 
@@ -36,30 +36,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _refused(run_dir: Path, **kw) -> str:
-    with pytest.raises(ConfigError) as e:
-        Run(run_dir, **kw).train(6)
-    assert "\n" not in str(e.value)
-    return str(e.value)
-
-
-def _previous(root: Path) -> str:
-    return (
-        f"pass checkpoint.resume={root / 'step_0000002'} to resume from the previous complete "
-        "checkpoint"
-    )
-
-
 # -- the newest step entry is not a checkpoint directory --------------------------------------
 
 
-def test_step_directory_replaced_by_a_file_is_refused(tmp_path):
+def test_step_directory_replaced_by_a_file_isrefused(tmp_path):
     root = two_checkpoints(tmp_path)
     shutil.rmtree(root / "step_0000004")
     (root / "step_0000004").write_text("not a checkpoint")
-    assert _refused(tmp_path) == (
+    assert refused(tmp_path) == (
         f"checkpoint {root / 'step_0000004'} is damaged (it is a file, not a checkpoint "
-        f"directory) and was not loaded; {_previous(root)}, or move the damaged directory away"
+        f"directory) and was not loaded; {previous_hint(root)}, or move the damaged directory away"
     )
     assert committed(root) == [2] and (root / "step_0000004").read_text() == "not a checkpoint"
 
@@ -68,9 +54,9 @@ def test_symlink_loop_as_newest_step_is_one_line(tmp_path):
     root = two_checkpoints(tmp_path)
     shutil.rmtree(root / "step_0000004")
     (root / "step_0000004").symlink_to("step_0000004")
-    assert _refused(tmp_path) == (
+    assert refused(tmp_path) == (
         f"checkpoint {root / 'step_0000004'} is damaged (it is a symbolic link loop "
-        f"(step_0000004 -> step_0000004)) and was not loaded; {_previous(root)}, or move the "
+        f"(step_0000004 -> step_0000004)) and was not loaded; {previous_hint(root)}, or move the "
         "damaged directory away"
     )
     assert committed(root) == [2] and (root / "step_0000004").is_symlink()
@@ -89,9 +75,9 @@ def test_step_directory_the_run_cannot_read_is_one_line(tmp_path, monkeypatch):
         return real(path)
 
     monkeypatch.setattr(os, "listdir", listdir)
-    assert _refused(tmp_path) == (
+    assert refused(tmp_path) == (
         f"checkpoint {denied}: this run cannot read the directory (Permission denied); give "
-        f"this run read access to it (chmod/chown), or {_previous(root)}"
+        f"this run read access to it (chmod/chown), or {previous_hint(root)}"
     )
     assert committed(root) == [2, 4]
 
@@ -107,7 +93,7 @@ def test_unreadable_file_of_a_checkpoint_is_one_line(tmp_path, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", read_text)
-    assert _refused(tmp_path) == (
+    assert refused(tmp_path) == (
         f"checkpoint.resume=auto: cannot read {denied} (Permission denied); give this run "
         "access to it (chmod/chown), or pass checkpoint.resume=<another checkpoint>"
     )
@@ -143,7 +129,7 @@ def test_longer_file_and_damaged_trailer_say_what_was_found(tmp_path):
     size = path.stat().st_size
     with path.open("ab") as f:
         f.write(b"\0" * 10)
-    assert _refused(tmp_path).startswith(
+    assert refused(tmp_path).startswith(
         f"checkpoint {root / 'step_0000004'} is damaged (file {path.name} has {size + 10} bytes, "
         f"the manifest says {size} (longer than recorded: appended to))"
     )
@@ -154,7 +140,7 @@ def test_longer_file_and_damaged_trailer_say_what_was_found(tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x01]))
     for checksum in (True, False):
-        assert _refused(tmp_path, checksum=checksum).startswith(
+        assert refused(tmp_path, checksum=checksum).startswith(
             f"checkpoint {root / 'step_0000004'} is damaged (file {path.name} has a damaged "
             f"trailer (1 of its last {store.TRAILER_SIZE} bytes, which name the save and file, "
             "differ from what this save wrote))"

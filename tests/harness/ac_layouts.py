@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
-from tests.harness.matrix import VARIANTS
+from tests.harness.matrix import VARIANTS, emit_row
 
 MODES = (("none", 1), ("full", 1), ("mlp", 1), ("selective", 1), ("full", 2))
 #: Relative loss difference allowed against no recomputation (see the module docstring).
@@ -198,12 +197,7 @@ def main() -> int:
     rows = []
 
     def emit(row: dict) -> None:
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
-            if args.jsonl:
-                with open(args.jsonl, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        emit_row(rows, row, rank, args.jsonl)
 
     if not args.no_gap and "fp8_cs" in runnable:
         emit(gap_row(layout_dims("fsdp")))

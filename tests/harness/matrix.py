@@ -95,6 +95,17 @@ def run_case(tmp: Path, recipe: str, qinit: bool, mode: str, args, rank: int) ->
     )
 
 
+def emit_row(rows: list[dict], row: dict, rank: int, jsonl: str | None) -> None:
+    """Keep a finished case's row; rank 0 prints it and appends it to `jsonl` at once (a
+    later case that hangs or kills the job keeps the earlier rows)."""
+    rows.append(row)
+    if rank == 0:
+        print(json.dumps(row), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def passed(row: dict) -> bool:
     """Resumed and bitwise, or refused up front by the config check (a documented limit)."""
     return bool(row.get("refused") or (row.get("bitwise") and row.get("resumed")))
@@ -156,12 +167,7 @@ def main() -> int:
                     traceback.print_exc()
                 first = str(e).splitlines()[0] if str(e) else ""
                 row = dict(key, error=f"{type(e).__name__}: {first}")
-            rows.append(row)
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-                if args.jsonl:
-                    with open(args.jsonl, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+            emit_row(rows, row, rank, args.jsonl)
             dist.barrier()
     ok = [all(passed(r) for r in rows)]  # rank 0 compares
     dist.broadcast_object_list(ok, src=0)
