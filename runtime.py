@@ -11,6 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -192,21 +194,82 @@ class GcSchedule:
                 gc.enable()
 
 
-class StopSignal:
-    """Turns SIGUSR1 (Slurm's early warning) and SIGTERM (preemption) into a flag the loop
-    checks at log steps (where it syncs anyway), so every rank stops after the same step and
-    the checkpoint is written between steps, never inside one."""
+#: Exit status after a Ctrl-C (SIGINT): 128 + SIGINT, the shell's status for a process
+#: interrupted from the terminal. Not EXIT_REQUEUE: a person stopped the run, and
+#: slurm/train.sbatch must not requeue it (a multirun stops too).
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
-    def __init__(self):
+#: A second stop signal after a Ctrl-C counts as the second press ("stop now") only when it
+#: comes this long after the first. A launcher may deliver one key press twice within
+#: milliseconds: the terminal sends SIGINT to its whole foreground process group, and a
+#: launcher that leaves its workers in that group also forwards the SIGINT it got itself
+#: (torchrun 2.13 starts its workers in sessions of their own, so they see only its forward;
+#: a second press there reaches them as SIGTERM: docs/CHECKPOINTING.md, Ctrl-C). A person
+#: presses again after seeing the first press not stop the run: far more than a second.
+DOUBLE_PRESS_S = 1.0
+
+
+class StopSignal:
+    """Turns SIGUSR1 (Slurm's early warning), SIGTERM (preemption) and a first Ctrl-C
+    (SIGINT) into a flag the loop checks at log steps (where it syncs anyway), so every rank
+    stops after the same step and the checkpoint is written between steps, never inside one.
+
+    After a Ctrl-C, a second SIGINT (or the SIGTERM torchrun's launcher sends its workers on
+    a second Ctrl-C) more than DOUBLE_PRESS_S later stops the process at once: `stop_now`
+    prints the one line of `self.stopped_line()` (rank 0) and exits with EXIT_INTERRUPTED
+    without unwinding, so no save, collective or thread is waited for and nothing prints a
+    traceback. `save=False` (checkpoint=none: nothing to save): the first Ctrl-C does that.
+    """
+
+    def __init__(self, save: bool = True):
         self.received: int | None = None
         #: After `agreed` returned True: the signal's name and the ranks that received one.
         self.name: str | None = None
         self.ranks: list[int] = []
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        self.save = save
+        self._interrupted_at: float | None = None  # time.monotonic() of the first Ctrl-C
+        #: What was and was not saved, for the stop-at-once line (train.run sets it once it
+        #: has a checkpoint manager), and what to release before the process ends.
+        self.stopped_line: Callable[[], str] = lambda: "stopped at once during setup"
+        self.release: Callable[[], None] = lambda: None
+        # checkpoint=none keeps SIGUSR1's and SIGTERM's default meaning (terminate).
+        signals = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT) if save else (signal.SIGINT,)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+
+    def restore(self) -> None:
+        """The handlers as they were (tools and tests call train.run several times)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        self.received = signum
+        now = time.monotonic()
+        if signum == signal.SIGINT and not self.save:
+            self.stop_now()
+        if signum in (signal.SIGINT, signal.SIGTERM) and self._interrupted_at is not None:
+            if now - self._interrupted_at > DOUBLE_PRESS_S:
+                self.stop_now()
+            return  # the same press, delivered twice
+        if signum == signal.SIGINT:
+            self._interrupted_at = now
+        # SIGTERM (15) or SIGUSR1 (10) after a Ctrl-C (2) names the stop: requeue status.
+        self.received = max(self.received or 0, signum)
+
+    def stop_now(self) -> None:
+        """End this process now (a signal handler: runs in the main thread between bytecodes):
+        the line, the run lock released, exit status EXIT_INTERRUPTED. Saves in flight are
+        abandoned: their `.tmp` directories are never committed (the next start removes
+        them); committed checkpoints are never touched."""
+        try:
+            line = self.stopped_line()
+        except Exception as e:  # the line must not cost the exit
+            line = f"stopped at once ({type(e).__name__} while reading what was saved)"
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"interrupted: {line}", file=sys.stderr, flush=True)
+        try:
+            self.release()
+        finally:
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
 
     def agreed(self, device) -> bool:
         """All ranks stop at the same step if any rank got the signal (one collective: each

@@ -64,6 +64,7 @@ from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check
 from recipes.switch import label, recipe_for_step, resolve_switches
 from runlog import read_metrics
 from runtime import (
+    EXIT_INTERRUPTED,
     EXIT_REQUEUE,
     GcSchedule,
     StopSignal,
@@ -430,9 +431,18 @@ def dims_rank() -> int:
 
 
 def run(cfg: Config) -> int:
-    # Installed first so a stop signal during setup is not fatal; without checkpoints a stop
-    # signal keeps its default meaning (terminate).
-    stop = StopSignal() if cfg.checkpoint.mode != "none" else None
+    """One training run (or dry run, or evaluation); returns the exit status."""
+    # Installed first so a stop signal or Ctrl-C during setup is not fatal; without
+    # checkpoints SIGTERM and SIGUSR1 keep their default meaning (terminate) and a Ctrl-C
+    # stops at once in one line.
+    stop = StopSignal(save=cfg.checkpoint.mode != "none")
+    try:
+        return _run(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _run(cfg: Config, stop: StopSignal) -> int:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(cfg.train.device)
@@ -486,6 +496,8 @@ def run(cfg: Config) -> int:
     # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
     # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
     run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
+    if run_lock is not None:
+        stop.release = run_lock.release  # a second Ctrl-C frees the run directory
 
     # Every resume decision, before the model is built (at 8B-70B that takes minutes): which
     # checkpoint, intact as far as its small files tell, this run's (run.name, model shape,
@@ -500,9 +512,11 @@ def run(cfg: Config) -> int:
         lock=run_lock,
         corpus=corpus_fingerprint(cfg.data) if rank == 0 else None,
     )
+    stop.release = ckpt.abandon  # a second Ctrl-C: no save waited for, the lock released
     resume_from = ckpt.plan_resume(
         segment.yaml, check=segment.check, accept_corpus=segment.accepts("data.corpus")
     )
+    stop.stopped_line = lambda: ckpt.stopped_line(resume_from)
     if resume_from >= cfg.train.steps:
         # Nothing to train: nothing is built, loaded or written (a save here would commit the
         # resumed state under the smaller train.steps, a checkpoint mislabeled as that step).
@@ -546,6 +560,7 @@ def run(cfg: Config) -> int:
     train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
     state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
     start_step = ckpt.resume(state)
+    stop.stopped_line = lambda: ckpt.stopped_line(train_state.step)
     if start_step + 1 != first_step:
         raise RuntimeError(f"resumed step {start_step}, planned {first_step - 1}")
     if start_step:
@@ -675,7 +690,7 @@ def run(cfg: Config) -> int:
                 ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
                 ckpt.check_resumed_loss(step, loss_value)
                 # Checked where the loop syncs anyway: a stop lands within log_every steps.
-                stopping = stop is not None and stop.agreed(device)
+                stopping = stop.save and stop.agreed(device)
 
             ckpt.maybe_save(step, state, force=stopping or switch_to is not None)
             collector.after(step)  # while the GPU runs the step's queued kernels
@@ -696,13 +711,22 @@ def run(cfg: Config) -> int:
                     f"in {clock.eval_last:.1f}s"
                 )
             if stopping:
+                # Ctrl-C: a person stopped the run; any other stop signal is the scheduler's.
+                status, why = (
+                    (
+                        EXIT_INTERRUPTED,
+                        "(stopped by hand: not for requeue; run the same command to resume)",
+                    )
+                    if stop.name == "SIGINT"
+                    else (EXIT_REQUEUE, "for requeue")
+                )
                 logger.info(
                     f"stop signal {stop.describe(world_size)}: checkpoint at step {step} saved; "
-                    f"every rank exits with status {EXIT_REQUEUE} for requeue"
+                    f"every rank exits with status {status} {why}"
                 )
                 ckpt.finish(step, state, save=False)
                 logger.finish()
-                return EXIT_REQUEUE
+                return status
     ckpt.finish(cfg.train.steps, state)
     logger.finish()
     logger.info(f"done: step {cfg.train.steps} in {format_duration(clock.elapsed())}")
@@ -721,9 +745,11 @@ def main(dcfg: DictConfig) -> int:
     """One Hydra job. Returns its status (and records it in STATUSES) instead of exiting, so a
     multirun goes on to its next job; `cli` turns the statuses into the exit status."""
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    if EXIT_REQUEUE in STATUSES:  # a stop signal ended an earlier job of this sweep
-        STATUSES.append(EXIT_REQUEUE)
-        return EXIT_REQUEUE
+    # A stop signal or a Ctrl-C ended an earlier job of this sweep: the later ones do not run.
+    stopped = [s for s in STATUSES if s in (EXIT_REQUEUE, EXIT_INTERRUPTED)]
+    if stopped:
+        STATUSES.append(stopped[0])
+        return stopped[0]
     try:
         named = sweep.multirun_run_name(dcfg.run.name)
         if named is not None:
@@ -767,6 +793,12 @@ def cli(argv: list[str]) -> int:
     sys.argv = [sys.argv[0], *sweep.cli_args(argv)]
     try:
         main()
+    except KeyboardInterrupt:
+        # A Ctrl-C before a run installed its handler (composing the config) or between the
+        # jobs of a sweep: nothing of a run is in flight.
+        if rank0:
+            print("interrupted: stopped before a run started", file=sys.stderr, flush=True)
+        STATUSES.append(EXIT_INTERRUPTED)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

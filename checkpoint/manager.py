@@ -394,6 +394,7 @@ class CheckpointManager:
                 agree=self._minimum if self._ctl is not None else None,
             )
         self._sync_staged: bool | None = None  # sync: staging decided (on the first use)
+        self._saving_here: int | None = None  # the step of a save in the main thread
         #: (path, step) of the checkpoint resumed from, in this manager's directory.
         self._resumed: tuple[Path, int] | None = None
         #: Checkpoints up to this step are not pruned (a resumed segment not yet healthy).
@@ -1005,6 +1006,7 @@ class CheckpointManager:
         save_id = f"{self._token}-{self._saves}-step{step}"
         if direct:
             staged_times = {}
+            self._saving_here = step  # for stopped_line: a save the main thread is in
             try:
                 if planned is not None:
                     staged = self._stager.stage(planned, 0)
@@ -1020,6 +1022,7 @@ class CheckpointManager:
                 raise self._failure(step, tmp, e, _state_bytes(state)) from None
             t_commit = time.perf_counter()
             size = self._commit(tmp, step, out["file_hashes"], save_id) if self.rank == 0 else 0
+            self._saving_here = None
             blocking = total = time.perf_counter() - t0
             commit = time.perf_counter() - t_commit
             self._record(
@@ -1324,6 +1327,45 @@ class CheckpointManager:
         if self._dist:
             dist.barrier(group=self._pg)
         self.close()
+
+    def stopped_line(self, step: int) -> str:
+        """What a run stopped at once after `step` leaves behind (rank 0 reads the checkpoint
+        directory): the newest committed checkpoint, the steps not saved, the saves in flight
+        that are abandoned."""
+        newest = store.newest_step(self.root)
+        in_flight = sorted(
+            {p.step for p in self._pending if not p.future.done()}
+            | ({self._saving_here} if self._saving_here is not None else set())
+        )
+        if newest is None:
+            line = f"stopped at once after step {step}; no checkpoint committed in {self.root}"
+            if step:
+                line += f"; steps 1-{step} not saved"
+        elif newest.step >= step:
+            line = f"stopped at once after step {step}; checkpoint {newest.path} committed"
+        else:
+            lost = f"{newest.step + 1}-{step}" if step > newest.step + 1 else str(step)
+            line = (
+                f"stopped at once after step {step}; checkpoint {newest.path} committed; "
+                f"step{'s' if '-' in lost else ''} {lost} not saved"
+            )
+        if in_flight:
+            steps = ", ".join(map(str, in_flight))
+            line += f" (the save of step {steps} in flight was abandoned)"
+        if newest is not None:
+            line += "; run the same command to resume from it"
+        return line
+
+    def abandon(self) -> None:
+        """For a process about to end at once (a second Ctrl-C): release the run lock and stop
+        the writer process without waiting for any save; a save in flight stays an
+        uncommitted `.tmp` directory, which the next start removes."""
+        self._closed = True
+        _OPEN.discard(self)
+        if self._writer is not None:
+            self._writer.kill()
+        if self._lock is not None:
+            self._lock.release()
 
     def close(self) -> None:
         """Wait for saves in flight, stop the writers, free the buffers, release the lock."""

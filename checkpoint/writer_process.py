@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -54,6 +55,10 @@ def _rebuild(kind: str, message: str, err: int | None) -> BaseException:
 
 def _main(conn, rank: int, world_size: int, rendezvous) -> None:
     """The writer process."""
+    # A Ctrl-C at the terminal reaches every process of its foreground group, this one too:
+    # the trainer decides what a Ctrl-C means (a save to finish, or stopping at once, when it
+    # kills this process); a KeyboardInterrupt here would lose the save in flight.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if world_size > 1:
             addr, port, prefix = rendezvous
@@ -203,6 +208,12 @@ class WriterProcess:
         if reply[0] == "error":
             raise _rebuild(*reply[1])
         return {**reply[1], "start_wait_s": waited}
+
+    def kill(self) -> None:
+        """End the child now (its save, if any, is abandoned uncommitted)."""
+        self._closed = True
+        if self._proc.is_alive():
+            self._proc.kill()
 
     def close(self) -> None:
         if self._closed:
