@@ -720,11 +720,11 @@ def _run(cfg: Config, stop: StopSignal) -> int:
                     if stop.name == "SIGINT"
                     else (EXIT_REQUEUE, "for requeue")
                 )
+                ckpt.finish(step, state, save=False)  # said once committed, not before
                 logger.info(
                     f"stop signal {stop.describe(world_size)}: checkpoint at step {step} saved; "
                     f"every rank exits with status {status} {why}"
                 )
-                ckpt.finish(step, state, save=False)
                 logger.finish()
                 return status
     ckpt.finish(cfg.train.steps, state)

@@ -1303,14 +1303,16 @@ class CheckpointManager:
         """Block until this rank has a free staging buffer (settling saves in order)."""
         t0 = time.perf_counter()
         while self._pending and self._free_buffers() == 0:
-            self._settle(self._pending.popleft())
+            self._settle(self._pending[0])  # listed while waited for (stopped_line)
+            self._pending.popleft()
         self._poll()
         return time.perf_counter() - t0
 
     def _wait_all(self) -> float:
         t0 = time.perf_counter()
         while self._pending:
-            self._settle(self._pending.popleft())
+            self._settle(self._pending[0])  # listed while waited for (stopped_line)
+            self._pending.popleft()
         return time.perf_counter() - t0
 
     # -- end ----------------------------------------------------------------------------------

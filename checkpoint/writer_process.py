@@ -55,9 +55,9 @@ def _rebuild(kind: str, message: str, err: int | None) -> BaseException:
 
 def _main(conn, rank: int, world_size: int, rendezvous) -> None:
     """The writer process."""
-    # A Ctrl-C at the terminal reaches every process of its foreground group, this one too:
-    # the trainer decides what a Ctrl-C means (a save to finish, or stopping at once, when it
-    # kills this process); a KeyboardInterrupt here would lose the save in flight.
+    # The trainer decides what a Ctrl-C means (a save to finish, or stopping at once, when it
+    # kills this process); a KeyboardInterrupt here would lose the save in flight. (SIGINT is
+    # ignored from the start, WriterProcess.__init__; again here in case that changes.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if world_size > 1:
@@ -163,8 +163,19 @@ class WriterProcess:
             name=f"ckpt-writer-{rank}",
             daemon=True,
         )
-        with _main_module_hidden():
-            self._proc.start()
+        # A Ctrl-C at the terminal reaches every process of its foreground group (and
+        # torchrun signals its worker's group): the child starts with SIGINT ignored (an
+        # ignored signal stays ignored through fork and exec, and Python then installs no
+        # KeyboardInterrupt handler), so not even its start-up imports can die of one. A
+        # SIGINT meanwhile waits, blocked, for this process's own handler.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            with _main_module_hidden():
+                self._proc.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self._send_lock = threading.Lock()
         self._ready = False
