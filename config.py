@@ -61,10 +61,11 @@ class TrainConfig:
     #: CUBLAS_WORKSPACE_CONFIG=:4096:8 are set by hand (the record says what was in effect).
     #: It changes no math, so a resume may turn it on or off.
     deterministic: bool = False
-    #: Check everything and train nothing: validate the config, compare it with the run's
-    #: checkpoint (the resume decision), build the model on the meta device, print the mesh,
-    #: parameter count, memory and checkpoint-size estimates, then exit 0. The run directory
-    #: is neither created nor changed; no data is read.
+    #: Check everything and train nothing: every check the run makes before training (the
+    #: config, the run directory's permissions and free space, the run lock, the resume
+    #: decision against the run's checkpoint), the model built on the meta device, the mesh,
+    #: parameter count, memory and checkpoint-size estimates and what was not checked, then
+    #: exit 0. The run directory is neither created nor changed; no data is read.
     dry_run: bool = False
     #: Evaluate only: load the run's newest checkpoint (or checkpoint.resume=PATH), print the
     #: loss on eval.batches held-out batches (even with eval.every=0), save nothing, exit.

@@ -36,7 +36,13 @@ from checkpoint.manager import (
     checkpoint_root,
     close_open,
 )
-from checkpoint.preflight import estimate_checkpoint_bytes, prepare_run_dir
+from checkpoint.preflight import (
+    check_locks,
+    check_run_dir,
+    estimate_checkpoint_bytes,
+    prepare_run_dir,
+    remove_created,
+)
 from config import (
     Config,
     SegmentConfig,
@@ -279,9 +285,21 @@ def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, w
     return line, step
 
 
+#: What a dry run leaves to the real start (it reads and writes nothing).
+DRY_RUN_UNCHECKED = (
+    "not checked: the data itself (files read, tokenized, cached), the model's real memory and "
+    "speed (built on the meta device only), a write to disk (the directories are checked by "
+    "permission and free space), communication between processes"
+)
+
+
 def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenizer, say):
-    """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
-    returns the exit status (0). Nothing is written and no data is read."""
+    """`train.dry_run=true`: every check `run` makes before training (the run directory's
+    permissions and free space, the run lock, the resume decision: the same refusals), then a
+    summary and what was not checked; returns the exit status (0). Nothing is written and no
+    data is read."""
+    run_dir, run_dir_line = check_run_dir(cfg, dims.world_size)
+    lock_line = check_locks(cfg, run_dir) if dims_rank() == 0 else None
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     plan, step = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
     rcfg = recipe_for_step(cfg.recipe, step + 1, schedule_steps(cfg))  # recipe.switch
@@ -312,7 +330,10 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
         f"{cfg.train.global_batch_size} sequences, tokenizer vocabulary {tokenizer.vocab_size}",
         flush=True,
     )
+    say(run_dir_line, flush=True)
+    say(lock_line, flush=True)
     say(plan, flush=True)
+    say(DRY_RUN_UNCHECKED, flush=True)
     return 0
 
 
@@ -713,6 +734,8 @@ def main(dcfg: DictConfig) -> int:
         status = run(cfg)
     except ConfigError as e:
         report_error(str(e))
+        close_open()
+        remove_created()  # a refused run leaves no empty run directory behind
         status = 2
     except OSError as e:
         if e.errno not in _FILESYSTEM_ERRORS:
