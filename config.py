@@ -56,8 +56,8 @@ class TrainConfig:
     profile_steps: list[int] = field(default_factory=list)
     #: Deterministic GPU kernels (runtime.apply_determinism: TE attention, cuBLAS, cuDNN,
     #: torch's deterministic algorithms), so two runs, or a run and its resume, give the same
-    #: losses bit for bit on the same GPUs and world size; costs some speed and memory (README,
-    #: Determinism). Also true when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
+    #: losses bit for bit on the same GPUs and world size; costs some speed and memory
+    #: (docs/RUNS.md, Determinism). Also true when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
     #: CUBLAS_WORKSPACE_CONFIG=:4096:8 are set by hand (the record says what was in effect).
     #: It changes no math, so a resume may turn it on or off.
     deterministic: bool = False
@@ -116,7 +116,8 @@ class EvalConfig:
 class ResumeConfig:
     #: Fields (dotted, e.g. optim.lr) or whole groups (optim) whose change against the
     #: checkpoint's config a resume accepts on purpose; the fields that change the training
-    #: otherwise refuse to resume (`RESUME_FREE` lists those that may change freely).
+    #: otherwise refuse to resume. Those that may change freely: (docs/RUNS.md, Resume and
+    #: extending a run).
     accept: list[str] = field(default_factory=list)
 
 
