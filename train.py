@@ -71,9 +71,11 @@ from runtime import (
     EXIT_REQUEUE,
     GcSchedule,
     StopSignal,
+    apply_cpu_threads,
     apply_determinism,
     apply_nccl_priority,
     check_determinism,
+    cpu_note,
     deterministic_env,
     exit_status,
     peak_memory_gb,
@@ -456,6 +458,7 @@ def run(cfg: Config) -> int:
             "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true",
             flush=True,
         )
+    threads_line = apply_cpu_threads(device)  # CPU: said in the model line
     for line in (
         apply_determinism(cfg.train.deterministic),
         apply_nccl_priority(cfg.parallel.nccl_high_priority, device),
@@ -479,6 +482,10 @@ def run(cfg: Config) -> int:
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     for line in config_warnings(cfg):
         say(line, flush=True)
+    # A model too big for this CPU: its cost here and the way out, before anything is built.
+    if device.type == "cpu" and rank == 0:
+        if note := cpu_note(cfg, world_size, torch.get_num_threads()):
+            say(note, flush=True)
     if device.type == "cuda":
         say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
     tokenizer = build_tokenizer(cfg.data)
@@ -577,13 +584,13 @@ def run(cfg: Config) -> int:
     logger.info(
         f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
         f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
-        f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
+        f"layout={cfg.parallel.name} {dims} device={device.type} "
+        + (f"{threads_line} " if threads_line else "")
+        + f"grad_accum={grad_accum} "
         f"run_dir={run_dir}"
         + (f" init_from={cfg.model.init_from}" if hf_weights is not None else "")
         + (f" resumed_from_step={start_step}" if start_step else "")
     )
-    if device.type == "cpu" and n_params > 20e6:  # measured: model=small, 2 cores, 5 GB RSS
-        logger.info("note: slow on CPU (model=small: ~1 min/step on 2 cores; model=tiny: 0.25 s)")
     if start_step >= cfg.train.steps:
         logger.info(
             f"nothing to do: {run_dir} is at step {start_step} and train.steps="

@@ -72,7 +72,7 @@ def case(threads: int, busy: int, steps: int, nproc: int, root: Path, synthetic=
     try:
         time.sleep(1.0 if busy else 0.0)
         load = os.getloadavg()[0]
-        name = f"t{threads}-b{busy}-n{nproc}"
+        name = f"t{threads}-b{busy}-n{nproc}-{time.monotonic_ns()}"
         env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)}
         if synthetic:
             r = launch([str(steps)], env=env, program=(__file__, "--inner"))
