@@ -618,6 +618,26 @@ def config_changes(saved_yaml: str, current_yaml: str) -> list[Change]:
     return changes
 
 
+def _lr_at_resume(saved_yaml: str, current_yaml: str, step: int) -> str:
+    """What a new schedule length does to the lr of the first resumed step: "; the lr of step
+    N: A -> B" (rising again when the cosine is stretched), or "" when it stays."""
+    import yaml
+
+    from optim import lr_lambda
+
+    def lr(text: str) -> float:
+        tree = _merge_defaults(schema_defaults(), yaml.safe_load(text) or {})
+        o = {k: v for k, v in tree["optim"].items() if k in OptimConfig.__dataclass_fields__}
+        cfg = OptimConfig(**o)
+        return cfg.lr * lr_lambda(cfg, cfg.schedule_steps or tree["train"]["steps"])(step)
+
+    old, new = lr(saved_yaml), lr(current_yaml)
+    if f"{old:.2e}" == f"{new:.2e}":
+        return ""
+    rises = " (the lr rises again)" if new > old else ""
+    return f"; the lr of step {step + 1}: {old:.2e} -> {new:.2e}{rises}"
+
+
 def check_resume(
     saved_yaml: str | None, current_yaml: str, accept: Sequence[str], step: int
 ) -> list[Change]:
@@ -626,6 +646,9 @@ def check_resume(
     if not saved_yaml:
         return []  # a checkpoint saved without its config: nothing to compare
     math = [c for c in config_changes(saved_yaml, current_yaml) if not c.free]
+    for c in math:
+        if c.path == "optim.schedule_steps":
+            c.note += _lr_at_resume(saved_yaml, current_yaml, step)
     refused = [c for c in math if not c.accepted_by(accept)]
     if refused:
         import yaml
