@@ -260,31 +260,82 @@ def _matches(path: str, prefixes: typing.Sequence[str]) -> bool:
     )
 
 
-def render_text(prefixes: typing.Sequence[str] = (), overrides: typing.Sequence[str] = ()) -> str:
-    """`python train.py --help [prefix ...] [key=value ...]`: one line per field."""
+def terminal_width() -> int:
+    """Columns to wrap `--help` to: the terminal's (or $COLUMNS), 100 when not a terminal."""
+    import shutil
+
+    return max(60, shutil.get_terminal_size(fallback=(100, 24)).columns)
+
+
+def _wrap(first: str, text: str, indent: int, width: int) -> list[str]:
+    """`first` (e.g. "  train.steps = 300") with `text` beside it from column `indent`,
+    wrapped to `width`; the text goes below `first` when `first` reaches into its column."""
+    lines = []
+    if len(first) + 2 > indent:
+        lines += textwrap.wrap(first, width, subsequent_indent=" " * 6) or [first]
+        first = ""
+    if not text:
+        return lines or [first]
+    wrapped = textwrap.wrap(
+        text,
+        width,
+        initial_indent=first.ljust(indent),
+        subsequent_indent=" " * indent,
+        break_on_hyphens=False,
+    )
+    return lines + wrapped
+
+
+def render_text(
+    prefixes: typing.Sequence[str] = (),
+    overrides: typing.Sequence[str] = (),
+    width: int | None = None,
+) -> str:
+    """`python train.py --help [prefix ...] [key=value ...]`: each field with its default and
+    description, wrapped to `width` columns (default: the terminal's)."""
+    width = width or terminal_width()
     fields = [f for f in schema_fields(composed_defaults(overrides)) if _matches(f.path, prefixes)]
     options, chosen = group_options(), default_options()
+    command = f"python train.py{''.join(' ' + o for o in overrides)}"
     lines = [
-        "usage: python train.py [group=option ...] [field=value ...]   (torchrun ... train.py ...)",
+        *textwrap.wrap(
+            "usage: python train.py [group=option ...] [field=value ...]   (torchrun ... "
+            "train.py ...)",
+            width,
+            subsequent_indent=" " * 6,
+        ),
         "",
-        "Every config field: name = default  description. Defaults are those of",
-        f"`python train.py{''.join(' ' + o for o in overrides)}`; set any field as group.field=value.",
-        "Narrow this list: python train.py --help model parallel.cp; defaults of another config:",
-        "python train.py --help model=llama3_8b. Hydra's own flags: python train.py --hydra-help.",
+        *textwrap.wrap(
+            "Every config field: name = default, then its description. Defaults are those of "
+            f"`{command}`; set a field with group.field=value, a group's option with "
+            "group=option.",
+            width,
+        ),
+        "",
     ]
-    width = max((len(f"{f.path} = {f.shown_default}") for f in fields), default=0)
-    width = min(width, 44)
+    for cmd, what in (
+        ("--help model parallel.cp", "only the fields under these prefixes"),
+        ("--help model=llama3_8b", "the defaults of another config"),
+        ("--cfg job", "the whole composed config, as YAML"),
+        ("-m optim.lr=1e-3,3e-3", "a sweep: one run per value (docs/RUNS.md, Sweeps)"),
+        ("--hydra-help", "Hydra's own flags"),
+    ):
+        lines += _wrap(f"  python train.py {cmd}", f"# {what}", 44 if width >= 84 else 6, width)
+    left_width = max((len(f"{f.path} = {f.shown_default}") for f in fields), default=0)
+    column = min(left_width, 44) + 4
+    if width - column < 40:  # a narrow terminal: descriptions below their field
+        column = 6
     group = None
     for f in fields:
         if _group_of(f.path) != group:
             group = _group_of(f.path)
-            lines += ["", _group_heading(group, options, chosen)]
-        left = f"  {f.path} = {f.shown_default}"
-        pad = " " * max(2, width + 4 - len(left))
-        lines.append(f"{left}{pad}{f.doc}")
+            heading = _group_heading(group, options, chosen)
+            lines += ["", *textwrap.wrap(heading, width, subsequent_indent=" " * 4)]
+        lines += _wrap(f"  {f.path} = {f.shown_default}", f.doc, column, width)
     if not prefixes:
         lines += ["", "Presets: experiment=<name> (conf/experiment/):"]
-        lines += [f"  {name:<20}{summary}" for name, summary in options.get("experiment", [])]
+        for name, summary in options.get("experiment", []):
+            lines += _wrap(f"  {name}", summary, 22, width)
     lines += ["", "Every field, with its type: docs/CONFIGURATION.md."]
     return "\n".join(lines) + "\n"
 
@@ -324,8 +375,9 @@ def render_markdown() -> str:
         "",
         "Defaults are those of `python train.py`: the schema merged with the default option of",
         "each group (" + ", ".join(f"`{g}={o}`" for g, o in chosen.items() if o) + ").",
-        "Another option changes some of them (for example `data=hf` sets `data.seq_len` to",
-        "2048): its file in `conf/<group>/` lists the values it sets.",
+        "Another option changes some of them (for example `model=llama3_8b` sets `model.dim` to",
+        f"{_lookup(composed_defaults(['model=llama3_8b']), 'model.dim')}): its file in "
+        "`conf/<group>/` lists the values it sets.",
         "",
         "## Group options",
         "",
@@ -354,6 +406,17 @@ def undocumented() -> list[str]:
     return [f"{f.path} ({f.owner})" for f in schema_fields() if not f.doc]
 
 
+def no_field_line(prefixes: typing.Sequence[str]) -> str:
+    """The line for `--help PREFIX` that matches no field: the nearest field or group named."""
+    import difflib
+
+    paths = [f.path for f in schema_fields()]
+    names = sorted({p.split(".")[0] for p in paths} | set(paths))
+    near = [m for p in prefixes for m in difflib.get_close_matches(p, names, n=1, cutoff=0.6)]
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    return f"no config field starts with {' or '.join(prefixes)}{hint}"
+
+
 def main(argv: typing.Sequence[str]) -> int:
     """`python train.py --help ...` (argv: train.py's arguments) and `python confhelp.py`."""
     args = [a for a in argv if a not in ("--help", "-h")]
@@ -367,12 +430,15 @@ def main(argv: typing.Sequence[str]) -> int:
     overrides = [a for a in args if "=" in a]
     prefixes = [a for a in args if "=" not in a and not a.startswith("-")]
     try:
+        from overrides import check_overrides
+
+        check_overrides(overrides)  # a wrong override: the line a run would give
         text = render_text(prefixes, overrides)
     except Exception as e:  # an override Hydra cannot compose: say so in one line
         print(f"error: --help {' '.join(overrides)}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    if prefixes and text.count("\n  ") == 0:
-        print(f"error: no config field starts with {' or '.join(prefixes)}", file=sys.stderr)
+    if prefixes and not any(_matches(f.path, prefixes) for f in schema_fields()):
+        print(f"error: {no_field_line(prefixes)}", file=sys.stderr)
         return 2
     sys.stdout.write(text)
     return 0

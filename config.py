@@ -58,15 +58,16 @@ class TrainConfig:
     profile_steps: list[int] = field(default_factory=list)
     #: Deterministic GPU kernels (runtime.apply_determinism: TE attention, cuBLAS, cuDNN,
     #: torch's deterministic algorithms), so two runs, or a run and its resume, give the same
-    #: losses bit for bit on the same GPUs and world size; costs some speed and memory (README,
-    #: Determinism). Also true when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
+    #: losses bit for bit on the same GPUs and world size; costs some speed and memory
+    #: (docs/RUNS.md, Determinism). Also true when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
     #: CUBLAS_WORKSPACE_CONFIG=:4096:8 are set by hand (the record says what was in effect).
     #: It changes no math, so a resume may turn it on or off.
     deterministic: bool = False
-    #: Check everything and train nothing: validate the config, compare it with the run's
-    #: checkpoint (the resume decision), build the model on the meta device, print the mesh,
-    #: parameter count, memory and checkpoint-size estimates, then exit 0. The run directory
-    #: is neither created nor changed; no data is read.
+    #: Check everything and train nothing: every check the run makes before training (the
+    #: config, the run directory's permissions and free space, the run lock, the resume
+    #: decision against the run's checkpoint), the model built on the meta device, the mesh,
+    #: parameter count, memory and checkpoint-size estimates and what was not checked, then
+    #: exit 0. The run directory is neither created nor changed; no data is read.
     dry_run: bool = False
     #: Evaluate only: load the run's newest checkpoint (or checkpoint.resume=PATH), print the
     #: loss on eval.batches held-out batches (even with eval.every=0), save nothing, exit.
@@ -117,7 +118,8 @@ class EvalConfig:
 class ResumeConfig:
     #: Fields (dotted, e.g. optim.lr) or whole groups (optim) whose change against the
     #: checkpoint's config a resume accepts on purpose; the fields that change the training
-    #: otherwise refuse to resume (`RESUME_FREE` lists those that may change freely).
+    #: otherwise refuse to resume. The fields that may change freely are listed in
+    #: docs/RUNS.md (Resume and extending a run).
     accept: list[str] = field(default_factory=list)
     #: After a resume, the checkpoints from before it are not pruned until the segment's first
     #: 3 logged losses are within the range the run logged before it (checkpoint/health.py).
@@ -674,6 +676,26 @@ def config_changes(saved_yaml: str, current_yaml: str) -> list[Change]:
     return changes
 
 
+def _lr_at_resume(saved_yaml: str, current_yaml: str, step: int) -> str:
+    """What a new schedule length does to the lr of the first resumed step: "; the lr of step
+    N: A -> B" (rising again when the cosine is stretched), or "" when it stays."""
+    import yaml
+
+    from optim import lr_lambda
+
+    def lr(text: str) -> float:
+        tree = _merge_defaults(schema_defaults(), yaml.safe_load(text) or {})
+        o = {k: v for k, v in tree["optim"].items() if k in OptimConfig.__dataclass_fields__}
+        cfg = OptimConfig(**o)
+        return cfg.lr * lr_lambda(cfg, cfg.schedule_steps or tree["train"]["steps"])(step)
+
+    old, new = lr(saved_yaml), lr(current_yaml)
+    if f"{old:.2e}" == f"{new:.2e}":
+        return ""
+    rises = " (the lr rises again)" if new > old else ""
+    return f"; the lr of step {step + 1}: {old:.2e} -> {new:.2e}{rises}"
+
+
 def check_resume(
     saved_yaml: str | None, current_yaml: str, accept: Sequence[str], step: int
 ) -> list[Change]:
@@ -682,6 +704,9 @@ def check_resume(
     if not saved_yaml:
         return []  # a checkpoint saved without its config: nothing to compare
     math = [c for c in config_changes(saved_yaml, current_yaml) if not c.free]
+    for c in math:
+        if c.path == "optim.schedule_steps":
+            c.note += _lr_at_resume(saved_yaml, current_yaml, step)
     refused = [c for c in math if not c.accepted_by(accept)]
     if refused:
         import yaml

@@ -68,9 +68,35 @@ def _node(tree: Any, path: str) -> Any:
     return tree
 
 
-def _close(word: str, choices: Sequence[str]) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {match[0]}? " if match else ""
+#: Names other trainers give these fields (the spelling a user is likely to bring): the key
+#: they mean here, when the section has it.
+ALIASES = {
+    "learning_rate": "lr",
+    "max_lr": "lr",
+    "max_steps": "steps",
+    "num_steps": "steps",
+    "total_steps": "steps",
+    "train_steps": "steps",
+    "batch_size": "global_batch_size",
+    "max_grad_norm": "grad_clip",
+    "clip_grad": "grad_clip",
+    "gradient_clipping": "grad_clip",
+    "warmup": "warmup_steps",
+    "seq_length": "seq_len",
+    "max_seq_length": "seq_len",
+    "sequence_length": "seq_len",
+    "wd": "weight_decay",
+}
+
+
+def _close(word: str, choices: Sequence[str], prefix: str = "") -> str:
+    """ "did you mean X? " for the nearest of `choices` (or the key `word` is another
+    trainer's name for), as written on the command line (`prefix`: its section)."""
+    choices = list(choices)
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if ALIASES.get(word.lower()) in choices:
+        match = [ALIASES[word.lower()]]
+    return f"did you mean {prefix}{match[0]}? " if match else ""
 
 
 def unknown_key(path: str) -> str:
@@ -94,7 +120,8 @@ def unknown_key(path: str) -> str:
         )
     keys = list(node)
     return (
-        f"{parent}.{leaf}: no such key in {parent}; {_close(leaf, keys)}its keys: {', '.join(keys)}"
+        f"{parent}.{leaf}: no such key in {parent}; {_close(leaf, keys, parent + '.')}its keys: "
+        f"{', '.join(keys)}"
     )
 
 

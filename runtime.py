@@ -36,6 +36,157 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def usable_cores() -> int:
+    """CPU cores this process may use: its affinity mask (taskset, cpusets), bounded by a
+    cgroup v2 CPU quota (`docker --cpus`, Kubernetes limits) when there is one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+#: Most intra-op threads a CPU run takes by itself: measured up to 2 (the default run gains
+#: 1.4x from a second idle core; docs/PERFORMANCE.md, CPU threads); OMP_NUM_THREADS sets more.
+MAX_CPU_THREADS = 2
+
+
+def cpu_threads(
+    environ=None, cores: int | None = None, load: float | None = None
+) -> tuple[int, str]:
+    """The intra-op thread count of a CPU run's process, and why.
+
+    OMP_NUM_THREADS, when set (by the user, or by torchrun for its workers), is kept.
+    Otherwise the cores that are idle when the run starts, shared among this node's processes
+    (LOCAL_WORLD_SIZE), at most MAX_CPU_THREADS, at least 1: idle = usable cores minus the
+    1-minute load average (the processes running or waiting for a core). Measured with the
+    default run (model=tiny; tools/bench_threads.py; docs/PERFORMANCE.md, CPU threads): on 2
+    idle cores 2 threads take 0.45 s a step and 1 thread 0.64 s; once other work holds the
+    cores, torch's threads wait on each other at every operation and 2 threads fall to 2-5
+    times slower than 1, which keeps its speed."""
+    env = os.environ if environ is None else environ
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value), "OMP_NUM_THREADS"
+    cores = usable_cores() if cores is None else cores
+    load = os.getloadavg()[0] if load is None else load
+    procs = max(1, int(env.get("LOCAL_WORLD_SIZE", 1)))
+    idle = max(0.0, cores - load)
+    threads = max(1, min(MAX_CPU_THREADS, cores // procs, int(idle + 0.5) // procs))
+    per = f" over {procs} processes" if procs > 1 else ""
+    return threads, f"{cores} cores, load {load:.1f}: {int(idle + 0.5)} idle{per}"
+
+
+def apply_cpu_threads(device: torch.device) -> str | None:
+    """Sets torch's intra-op threads for a CPU run (`cpu_threads`); returns how many and why,
+    for the start-up line (None on GPU, where the CPU only feeds the GPU and torch's defaults
+    stay)."""
+    if device.type != "cpu":
+        return None
+    threads, why = cpu_threads()
+    torch.set_num_threads(threads)
+    return f"threads={threads} ({why})"
+
+
+def matmul_rate(seconds: float = 0.3, size: int = 512) -> float:
+    """FLOP/s of fp32 matrix products on this CPU, at torch's current thread count, measured for
+    about `seconds` (the speed this process gets now, other work on the cores included)."""
+    import time
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / elapsed
+
+
+#: A training step of the reference implementation on CPU takes about this many times its
+#: FLOPs at `matmul_rate` (norms, attention, the loss, the optimizer and framework overhead
+#: around the matrix products, and matrices smaller than the probe's). Measured on 2 shared
+#: cores, one thread, load 2.2-2.6: model=tiny 0.67 s a step against 0.45 s of its FLOPs at the
+#: probe's 52 GFLOP/s (1.5x); model=small about a minute a step on 2 cores (docs/INSTALL.md)
+#: against 22 s at a 2-thread probe's ~100 GFLOP/s (2.7x). Good to a factor of 2.
+CPU_STEP_OVERHEAD = 2.0
+
+#: More fp32 FLOP/s than one core of any current CPU gives (one core of the 2-core test
+#: machine: about 52 G): a model whose step is quick even at this rate needs no measurement.
+CPU_CORE_FLOPS_MAX = 200e9
+
+#: Above this estimated time per step, a CPU run says at start what it will cost and the way out.
+SLOW_CPU_STEP_S = 5.0
+
+
+def cpu_run_estimate(cfg, world_size: int, rate: float | None = None) -> dict[str, float]:
+    """Time per step and memory of a CPU run of `cfg` (a train Config), before anything is
+    built: `step_s` = the step's training FLOPs (model/flops.py) per process at this CPU's
+    measured matmul rate x CPU_STEP_OVERHEAD; `memory_gib` per process = fp32 weights,
+    gradients and Adam's two moments (16 bytes a parameter, divided among FSDP's shards) plus
+    the micro batch's fp32 activations (the block's saved tensors, and the logits with their
+    gradient) and torch's own ~0.5 GiB."""
+    from model.flops import causal_row_flops_per_token, parameter_count
+
+    m, seq = cfg.model, cfg.data.seq_len
+    tokens = cfg.train.global_batch_size * seq / world_size
+    micro = (cfg.train.micro_batch_size or cfg.train.global_batch_size // world_size) * seq
+    rate = rate or matmul_rate()
+    step_s = causal_row_flops_per_token(m, seq) * tokens / rate * CPU_STEP_OVERHEAD
+    kv = m.n_kv_heads * m.head_dim
+    block = 4 * (6 * m.dim + 2 * kv + 3 * m.ffn_dim + 2 * m.n_heads * seq)  # per token, fp32
+    activations = micro * (m.n_layers * block + 2 * 4 * m.padded_vocab_size)
+    states = 16 * parameter_count(m) / world_size
+    memory = states + activations + 0.5 * 2**30
+    return {"step_s": step_s, "memory_gib": memory / 2**30, "rate": rate}
+
+
+def host_memory_gib() -> float | None:
+    """This machine's total memory (Linux), else None."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_note(cfg, world_size: int, threads: int, rate: float | None = None) -> str | None:
+    """The start-up line of a CPU run whose steps `cpu_run_estimate` puts above
+    SLOW_CPU_STEP_S: what a step and the whole run will cost here, and the way out. None for a
+    run that is quick enough (model=tiny)."""
+    from model.flops import causal_row_flops_per_token
+
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len / world_size
+    fastest = CPU_CORE_FLOPS_MAX * threads / CPU_STEP_OVERHEAD  # no need to measure below it
+    if causal_row_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / fastest < SLOW_CPU_STEP_S:
+        return None
+    est = cpu_run_estimate(cfg, world_size, rate)
+    if est["step_s"] < SLOW_CPU_STEP_S:
+        return None
+    from logger import format_duration
+
+    have = host_memory_gib()
+    fits = ""
+    if have:
+        fits = (
+            f", {'more' if est['memory_gib'] > have else 'less'} than this machine's {have:.0f} GiB"
+        )
+    step = format_duration(est["step_s"])
+    total = format_duration(est["step_s"] * cfg.train.steps)
+    return (
+        f"note: model={cfg.model.name} on this CPU: about {step} a step of "
+        f"{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens ({cfg.train.steps} steps: "
+        f"about {total}) and {est['memory_gib']:.1f} GiB of memory per process{fits} (estimate "
+        f"at {threads} thread{'s' if threads > 1 else ''}, {est['rate'] / 1e9:.0f} GFLOP/s "
+        "measured now); for a CPU run use model=tiny, to check "
+        "this config train.dry_run=true, to train it a GPU (docs/INSTALL.md)"
+    )
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A CPU tensor on `device`. To a GPU through pinned memory without waiting: a copy from
     pageable memory may first wait for every kernel already queued (CUDA's rule for pageable

@@ -37,7 +37,13 @@ from checkpoint.manager import (
     checkpoint_root,
     close_open,
 )
-from checkpoint.preflight import estimate_checkpoint_bytes, prepare_run_dir
+from checkpoint.preflight import (
+    check_locks,
+    check_run_dir,
+    estimate_checkpoint_bytes,
+    prepare_run_dir,
+    remove_created,
+)
 from config import (
     Config,
     SegmentConfig,
@@ -68,9 +74,11 @@ from runtime import (
     EXIT_REQUEUE,
     GcSchedule,
     StopSignal,
+    apply_cpu_threads,
     apply_determinism,
     apply_nccl_priority,
     check_determinism,
+    cpu_note,
     deterministic_env,
     exit_status,
     peak_memory_gb,
@@ -291,9 +299,21 @@ def nothing_to_do(run_dir: Path, step: int, steps: int) -> str:
     )
 
 
+#: What a dry run leaves to the real start (it reads and writes nothing).
+DRY_RUN_UNCHECKED = (
+    "not checked: the data itself (files read, tokenized, cached), the model's real memory and "
+    "speed (built on the meta device only), a write to disk (the directories are checked by "
+    "permission and free space), communication between processes"
+)
+
+
 def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenizer, say):
-    """`train.dry_run=true`: everything `run` checks before its first write, then a summary;
-    returns the exit status (0). Nothing is written and no data is read."""
+    """`train.dry_run=true`: every check `run` makes before training (the run directory's
+    permissions and free space, the run lock, the resume decision: the same refusals), then a
+    summary and what was not checked; returns the exit status (0). Nothing is written and no
+    data is read."""
+    run_dir, run_dir_line = check_run_dir(cfg, dims.world_size)
+    lock_line = check_locks(cfg, run_dir) if dims_rank() == 0 else None
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     plan, step = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
     rcfg = recipe_for_step(cfg.recipe, step + 1, schedule_steps(cfg))  # recipe.switch
@@ -324,7 +344,10 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
         f"{cfg.train.global_batch_size} sequences, {vocabulary_line(cfg.data, tokenizer)}",
         flush=True,
     )
+    say(run_dir_line, flush=True)
+    say(lock_line, flush=True)
     say(plan, flush=True)
+    say(DRY_RUN_UNCHECKED, flush=True)
     return 0
 
 
@@ -456,6 +479,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
             "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true",
             flush=True,
         )
+    threads_line = apply_cpu_threads(device)  # CPU: said in the model line
     for line in (
         apply_determinism(cfg.train.deterministic),
         apply_nccl_priority(cfg.parallel.nccl_high_priority, device),
@@ -479,6 +503,10 @@ def _run(cfg: Config, stop: StopSignal) -> int:
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     for line in config_warnings(cfg):
         say(line, flush=True)
+    # A model too big for this CPU: its cost here and the way out, before anything is built.
+    if device.type == "cpu" and rank == 0:
+        if note := cpu_note(cfg, world_size, torch.get_num_threads()):
+            say(note, flush=True)
     if device.type == "cuda":
         say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
     # data=synthetic loads no tokenizer: its random ids need only the model's vocabulary size.
@@ -592,13 +620,13 @@ def _run(cfg: Config, stop: StopSignal) -> int:
     logger.info(
         f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
         f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
-        f"layout={cfg.parallel.name} {dims} device={device.type} grad_accum={grad_accum} "
+        f"layout={cfg.parallel.name} {dims} device={device.type} "
+        + (f"{threads_line} " if threads_line else "")
+        + f"grad_accum={grad_accum} "
         f"run_dir={run_dir}"
         + (f" init_from={cfg.model.init_from}" if hf_weights is not None else "")
         + (f" resumed_from_step={start_step}" if start_step else "")
     )
-    if device.type == "cpu" and n_params > 20e6:  # measured: model=small, 2 cores, 5 GB RSS
-        logger.info("note: slow on CPU (model=small: ~1 min/step on 2 cores; model=tiny: 0.25 s)")
 
     # 11. Train. The compute dtype is bf16 on GPU (TE's quantized GEMMs come from the recipe,
     #     inside the model), fp32 on CPU.
@@ -760,6 +788,8 @@ def main(dcfg: DictConfig) -> int:
         status = run(cfg)
     except ConfigError as e:
         report_error(str(e))
+        close_open()
+        remove_created()  # a refused run leaves no empty run directory behind
         status = 2
     except OSError as e:
         if e.errno not in _FILESYSTEM_ERRORS:

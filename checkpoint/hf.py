@@ -34,6 +34,7 @@ with BOS/EOS; the tokenizer files.
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -386,6 +387,7 @@ def export_checkpoint(
         held.update(load(need))
         tensors = {hf: _standalone(hf_tensor(sources[hf], held).to(dtype)) for hf in names}
         save_file(tensors, out / filename, metadata={"format": "pt"})
+        _readable_as_others(out / filename)
         held = {k: v for k, v in held.items() if last_use[k] > i}
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
@@ -395,6 +397,15 @@ def export_checkpoint(
     GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out)
     tok.save_pretrained(out)
     return path
+
+
+def _readable_as_others(path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600) that it renames into
+    place; give the file the mode any other file of the export gets (0666 less the umask,
+    0644 usually), so the others on a shared cluster can read it as they read config.json."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def checkpoint_model_weights(checkpoint: str | Path) -> tuple[ModelConfig, dict, Path, dict]:

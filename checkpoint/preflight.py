@@ -10,7 +10,9 @@ weights and two fp32 Adam moments; 13 with quantized weights, whose fp32 masters
 optimizer), and for async modes this node's host memory (and for async_process /dev/shm) can
 hold one staging copy. Rank 0 then takes the run directory's lock (checkpoint/runlock.py), and
 the checkpoint directory's when it lies outside the run directory (an absolute checkpoint.dir
-that several runs may name). Each failure is one ConfigError.
+that several runs may name). Each failure is one ConfigError, and nothing is created before
+every check that needs no write has passed (`check_run_dir`, which `train.dry_run` runs too,
+with `check_locks`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,50 @@ def estimate_checkpoint_bytes(m: Any, quantized_weights: bool = False) -> int:
     return parameter_count(m) * (13 if quantized_weights else 12)
 
 
-def _writable(path: Path, field: str) -> None:
+def _nearest_existing(path: Path) -> Path:
+    """`path` itself, or its closest ancestor that exists (what creating `path` would write in)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_writable(path: Path, field: str) -> None:
+    """That `path` can be created and written, decided without creating or writing anything:
+    it, or the closest ancestor that exists (where it would be created), is a directory this
+    process may write into."""
+    existing = _nearest_existing(path)
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = "Read-only file system" if _read_only(existing) else "Permission denied"
+        if existing != Path(os.path.abspath(path)):
+            problem += f" in {existing}"
+    if problem:
+        raise ConfigError(
+            f"{field}: cannot write to {path} ({problem}); choose a writable directory"
+        )
+
+
+def _read_only(path: Path) -> bool:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _create(path: Path, field: str, created: list[Path]) -> None:
+    """mkdir -p `path` (each directory made is appended to `created`), then a probe file."""
+    missing = []
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    try:
+        for d in reversed(missing):
+            d.mkdir(exist_ok=True)
+            created.append(d)
         probe = path / f".write-probe-{socket.gethostname()}-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
@@ -57,79 +100,146 @@ def _writable(path: Path, field: str) -> None:
         ) from None
 
 
+#: The directories the last `prepare_run_dir` of this process made (those missing before).
+_CREATED: list[Path] = []
+
+
+def remove_created(created: list[Path] | None = None) -> None:
+    """Undo `prepare_run_dir`'s directories after a refusal (default: those of its last call):
+    the run locks this process holds are released, then each directory made that is still
+    empty is removed, deepest first (one that got content meanwhile stays)."""
+    made = _CREATED if created is None else created
+    if made:
+        RunLock.release_all()
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    made.clear()
+
+
 def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
     root = Path(cfg.checkpoint.dir).expanduser()
     return root if root.is_absolute() else run_dir / root
 
 
-def prepare_run_dir(
-    cfg: Any, rank: int, world_size: int, *, log=print
-) -> tuple[Path, RunLock | None]:
-    """Check and create the run directory; rank 0 locks it. Returns (run_dir, lock or None)."""
+def check_run_dir(cfg: Any, world_size: int) -> tuple[Path, str]:
+    """Every check of `prepare_run_dir` that needs no write: the checkpoint fields, that the run
+    and checkpoint directories can be created and written, the room for the checkpoints and,
+    for async modes, for one staging copy. Creates nothing (the dry run calls it too). Returns
+    the run directory and a line saying what was found."""
     ck = cfg.checkpoint
     validate(ck)
     run_dir = Path(cfg.run.root) / cfg.run.name
-    _writable(run_dir, f"run.root={cfg.run.root}")
-    if ck.mode != "none":
-        root = checkpoint_root(cfg, run_dir)
-        _writable(root, f"checkpoint.dir={ck.dir}")
-        quantized = bool(getattr(getattr(cfg, "recipe", None), "quantized_init", False))
-        need = estimate_checkpoint_bytes(cfg.model, quantized)
-        # At the steady state keep_last checkpoints exist while the next one is written (the
-        # oldest is pruned after the commit); those already here take no more room (unless
-        # resume=none moves them aside: kept, never pruned).
-        have = len(store.list_complete(root)) if str(ck.resume) != "none" else 0
-        count = max(1, ck.keep_last + 1 - have)
-        free = shutil.disk_usage(root).free
-        if free < count * need:
-            held = f"; {have} of them are here already" if have else ""
+    _check_writable(run_dir, f"run.root={cfg.run.root}")
+    state = "exists" if run_dir.is_dir() else "would be created"
+    line = f"run directory: {run_dir} ({state}) is writable"
+    if ck.mode == "none":
+        return run_dir, line
+    root = checkpoint_root(cfg, run_dir)
+    _check_writable(root, f"checkpoint.dir={ck.dir}")
+    quantized = bool(getattr(getattr(cfg, "recipe", None), "quantized_init", False))
+    need = estimate_checkpoint_bytes(cfg.model, quantized)
+    # At the steady state keep_last checkpoints exist while the next one is written (the
+    # oldest is pruned after the commit); those already here take no more room (unless
+    # resume=none moves them aside: kept, never pruned).
+    have = len(store.list_complete(root)) if str(ck.resume) != "none" and root.is_dir() else 0
+    count = max(1, ck.keep_last + 1 - have)
+    free = shutil.disk_usage(_nearest_existing(root)).free
+    if free < count * need:
+        held = f"; {have} of them are here already" if have else ""
+        raise ConfigError(
+            f"checkpoint.dir={ck.dir}: {root} has {format_bytes(free)} free, {count} more "
+            f"checkpoint{'s' if count > 1 else ''} of model {cfg.model.name} "
+            f"need{'' if count > 1 else 's'} about "
+            f"{format_bytes(count * need)} ({format_bytes(need)} each: "
+            f"{parameter_count(cfg.model) / 1e6:.1f}M parameters x "
+            f"{13 if quantized else 12} bytes; checkpoint.keep_last={ck.keep_last} kept "
+            f"plus the one being written{held}); free space, lower checkpoint.keep_last or "
+            "point checkpoint.dir to a larger filesystem"
+        )
+    if ck.mode in ("async", "async_process"):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        per_node = need // max(world_size, 1) * min(local, world_size)
+        available = staging.host_memory_available()
+        if available is not None and per_node > available:
             raise ConfigError(
-                f"checkpoint.dir={ck.dir}: {root} has {format_bytes(free)} free, {count} more "
-                f"checkpoint{'s' if count > 1 else ''} of model {cfg.model.name} "
-                f"need{'' if count > 1 else 's'} about "
-                f"{format_bytes(count * need)} ({format_bytes(need)} each: "
-                f"{parameter_count(cfg.model) / 1e6:.1f}M parameters x "
-                f"{13 if quantized else 12} bytes; checkpoint.keep_last={ck.keep_last} kept "
-                f"plus the one being written{held}); free space, lower checkpoint.keep_last or "
-                "point checkpoint.dir to a larger filesystem"
+                f"checkpoint.mode={ck.mode}: staging this node's share of a checkpoint "
+                f"needs about {format_bytes(per_node)} of host memory, "
+                f"{format_bytes(available)} are available; use checkpoint=sync or more nodes"
             )
-        if ck.mode in ("async", "async_process"):
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            per_node = need // max(world_size, 1) * min(local, world_size)
-            available = staging.host_memory_available()
-            if available is not None and per_node > available:
-                raise ConfigError(
-                    f"checkpoint.mode={ck.mode}: staging this node's share of a checkpoint "
-                    f"needs about {format_bytes(per_node)} of host memory, "
-                    f"{format_bytes(available)} are available; use checkpoint=sync or more nodes"
-                )
-            shm = staging.shared_memory_free() if ck.mode == "async_process" else None
-            if shm is not None and per_node > shm:
-                raise ConfigError(
-                    f"checkpoint.mode=async_process: staging this node's share of a checkpoint "
-                    f"needs about {format_bytes(per_node)} of shared memory, /dev/shm has "
-                    f"{format_bytes(shm)} free; enlarge /dev/shm (docker --shm-size) or use "
-                    "checkpoint=async"
-                )
-    lock = RunLock.acquire(run_dir, log=log) if rank == 0 else None
-    if lock is not None and ck.mode != "none":
-        # A checkpoint.dir outside the run directory (an absolute path) may be shared by runs
-        # of different run.name: one run at a time there too (and a resume refuses another
-        # run's checkpoints: CheckpointManager.plan_resume).
-        root = checkpoint_root(cfg, run_dir).resolve()
-        if not root.is_relative_to(run_dir.resolve()):
-            try:
-                lock = _Locks(
-                    lock,
-                    RunLock.acquire(
-                        root,
-                        log=log,
-                        what=f"checkpoint.dir={ck.dir} ({root}, outside the run directory)",
-                    ),
-                )
-            except BaseException:
-                lock.release()
-                raise
+        shm = staging.shared_memory_free() if ck.mode == "async_process" else None
+        if shm is not None and per_node > shm:
+            raise ConfigError(
+                f"checkpoint.mode=async_process: staging this node's share of a checkpoint "
+                f"needs about {format_bytes(per_node)} of shared memory, /dev/shm has "
+                f"{format_bytes(shm)} free; enlarge /dev/shm (docker --shm-size) or use "
+                "checkpoint=async"
+            )
+    checkpoints = f"checkpoint{'s' if count > 1 else ''}"
+    line += (
+        f"; {root} has {format_bytes(free)} free, room for the {count} more {checkpoints} "
+        f"it needs ({format_bytes(need)} each)"
+    )
+    return run_dir, line
+
+
+def _outside_checkpoint_root(cfg: Any, run_dir: Path) -> Path | None:
+    """The checkpoint directory when it lies outside the run directory (an absolute
+    checkpoint.dir that several runs of different run.name may share), else None."""
+    if cfg.checkpoint.mode == "none":
+        return None
+    root = checkpoint_root(cfg, run_dir).resolve()
+    return None if root.is_relative_to(run_dir.resolve()) else root
+
+
+def check_locks(cfg: Any, run_dir: Path) -> str:
+    """The dry run's look at the run locks (the run directory's, and the checkpoint
+    directory's when it lies outside): the refusal a start would give while a live run holds
+    one, as a ConfigError; else a line saying what a start would do. Takes nothing."""
+    parts = [RunLock.check(run_dir)]
+    if (root := _outside_checkpoint_root(cfg, run_dir)) is not None:
+        what = f"checkpoint.dir={cfg.checkpoint.dir} ({root}, outside the run directory)"
+        parts.append(RunLock.check(root, what=what))
+    return "lock: " + "; ".join(parts)
+
+
+def prepare_run_dir(
+    cfg: Any, rank: int, world_size: int, *, log=print
+) -> tuple[Path, RunLock | None]:
+    """Check (`check_run_dir`), then create the run directory; rank 0 locks it. Returns
+    (run_dir, lock or None). Nothing is created before every check passed; a refusal after that
+    (a probe write, the lock) removes the directories made here, and so does `remove_created()`
+    for a run refused later (train.main, on a ConfigError)."""
+    ck = cfg.checkpoint
+    _CREATED.clear()
+    run_dir, _ = check_run_dir(cfg, world_size)
+    made = _CREATED
+    try:
+        _create(run_dir, f"run.root={cfg.run.root}", made)
+        if ck.mode != "none":
+            _create(checkpoint_root(cfg, run_dir), f"checkpoint.dir={ck.dir}", made)
+        lock = RunLock.acquire(run_dir, log=log) if rank == 0 else None
+    except BaseException:
+        remove_created(made)
+        raise
+    if lock is not None and (root := _outside_checkpoint_root(cfg, run_dir)) is not None:
+        # Several runs may name one absolute checkpoint.dir: one run at a time there too (and
+        # a resume refuses another run's checkpoints: CheckpointManager.plan_resume).
+        try:
+            lock = _Locks(
+                lock,
+                RunLock.acquire(
+                    root,
+                    log=log,
+                    what=f"checkpoint.dir={ck.dir} ({root}, outside the run directory)",
+                ),
+            )
+        except BaseException:
+            lock.release()
+            remove_created(made)
+            raise
     return run_dir, lock
 
 

@@ -83,6 +83,16 @@ def _stale_reason(info: dict | None, age: float | None) -> str | None:
     return None
 
 
+def _in_use(what: str, holder: dict | None, path: Path) -> ConfigError:
+    who = _describe(holder) if holder else "a run that is starting"
+    return ConfigError(
+        f"{what} is in use by another run ({who}; lock file "
+        f"{path}); wait for it to end or use another run.name (a lock whose "
+        f"holder died is taken over automatically: on this host at once, from "
+        f"another host after {STALE_S:.0f}s without heartbeat)"
+    )
+
+
 class RunLock:
     def __init__(self, path: Path, info: dict[str, Any]):
         self.path = path
@@ -118,13 +128,7 @@ class RunLock:
                     continue  # released meanwhile: try again
                 reason = _stale_reason(holder, age)
                 if reason is None:
-                    who = _describe(holder) if holder else "a run that is starting"
-                    raise ConfigError(
-                        f"{what} is in use by another run ({who}; lock file "
-                        f"{path}); wait for it to end or use another run.name (a lock whose "
-                        f"holder died is taken over automatically: on this host at once, from "
-                        f"another host after {STALE_S:.0f}s without heartbeat)"
-                    ) from None
+                    raise _in_use(what, holder, path) from None
                 aside = path.with_name(f"{LOCK_NAME}.stale-{info['token']}")
                 try:
                     os.rename(path, aside)
@@ -150,6 +154,27 @@ class RunLock:
                 os.fsync(f.fileno())
             return cls(path, info)
         raise ConfigError(f"could not take the lock {path} (several runs keep racing for it)")
+
+    @staticmethod
+    def check(directory: Path, what: str | None = None) -> str:
+        """What `acquire` would do, without taking or changing anything (the dry run): raises
+        its refusal while a live run holds the lock; else says whether the lock is free or a
+        stale one would be taken over."""
+        path = Path(directory) / LOCK_NAME
+        holder, age = _read(path)
+        if holder is None and age is None:
+            return f"{path} is free"
+        reason = _stale_reason(holder, age)
+        if reason is None:
+            raise _in_use(what or f"run directory {directory}", holder, path)
+        who = _describe(holder) if holder else "unknown holder"
+        return f"{path}: a start would take over the stale lock ({who}: {reason})"
+
+    @staticmethod
+    def release_all() -> None:
+        """Release every lock this process holds."""
+        for lock in list(_HELD.values()):
+            lock.release()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -178,7 +203,4 @@ class RunLock:
                 )
 
 
-@atexit.register
-def _release_all() -> None:
-    for lock in list(_HELD.values()):
-        lock.release()
+atexit.register(RunLock.release_all)

@@ -82,6 +82,13 @@ def batch_attention_pairs(shape: tuple[int, int], cu_seqlens=None) -> int:
     return causal_pairs(np.diff(np.asarray(cu_seqlens, dtype=np.int64)))
 
 
+def causal_row_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of rows of `seq_len` tokens with causal attention over the
+    whole row: the most a token of such a row costs (documents inside the row cost less), for
+    estimates made before any data is read."""
+    return step_flops(cfg, seq_len, causal_pairs([seq_len])) / seq_len
+
+
 def step_flops(cfg: ModelConfig, tokens: int, attention_pairs: int) -> float:
     """Model FLOPs of training on `tokens` tokens whose attention covers `attention_pairs`."""
     return dense_flops_per_token(cfg) * tokens + attention_flops_per_pair(cfg) * attention_pairs

@@ -166,17 +166,18 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
             "is quantized); drop recipe.quantized_init or pick a quantized recipe"
         )
     _check_fields(cfg)
+    if name != "bf16" and device.type != "cuda":
+        raise ConfigError(
+            f"recipe={name} needs TransformerEngine and a CUDA GPU; this run is on CPU, which "
+            "runs recipe=bf16 only: use recipe=bf16 here, or run on a GPU with TE (make setup-gpu)"
+        )
     if name != "bf16" and impl != "te":
         raise ConfigError(
             f"recipe={name} needs the TE implementation (model.impl=te) and a "
-            "CUDA GPU; the reference implementation runs bf16 only"
+            "CUDA GPU; the reference implementation runs bf16 only: use recipe=bf16, or "
+            "model.impl=te with TE installed (make setup-gpu)"
         )
     if device.type != "cuda":
-        if name != "bf16":
-            raise ConfigError(
-                f"recipe={name} needs TransformerEngine and a CUDA GPU; this run "
-                "is on CPU, which runs recipe=bf16 only"
-            )
         return
     # Looked up on the package so tests can monkeypatch recipes.device_capability / te_support.
     import recipes

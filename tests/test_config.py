@@ -97,7 +97,11 @@ BAD = [
         "train.global_batch_size=8 must be divisible by train.micro_batch_size=3 x data-parallel size 2",
     ),
     (["model.impl=te"], 1, "model.impl=te needs a CUDA GPU and transformer_engine"),
-    (["recipe=fp8_cs", "model.impl=torch"], 1, "recipe=fp8_cs needs the TE implementation"),
+    (
+        ["recipe=fp8_cs", "model.impl=torch"],
+        1,
+        "on CPU, which runs recipe=bf16 only: use recipe=bf16",
+    ),
     (["recipe=mxfp8"], 1, "recipe=mxfp8 needs"),
     (["model.n_heads=3"], 1, "model.dim=128 must be divisible by model.n_heads=3"),
     (["model.n_kv_heads=3"], 1, "model.n_heads=4 must be divisible by model.n_kv_heads=3"),

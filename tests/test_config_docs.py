@@ -4,6 +4,7 @@ docs/CONFIGURATION.md current, and `python train.py --help` printing it."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -103,6 +104,7 @@ def _train_help(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "train.py", *args],
         cwd=ROOT,
+        env={**os.environ, "COLUMNS": "100"},  # wide enough for a description beside its field
         capture_output=True,
         text=True,
         timeout=300,
@@ -113,8 +115,9 @@ def test_train_help_prints_the_field_reference():
     out = _train_help("--help")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    cp = next(line for line in lines if line.lstrip().startswith("parallel.cp = 1 "))
-    assert "Context parallelism: each sequence is split over this many ranks" in cp
+    cp = next(i for i, line in enumerate(lines) if line.lstrip().startswith("parallel.cp = 1 "))
+    described = " ".join(" ".join(lines[cp : cp + 3]).split())
+    assert "Context parallelism: each sequence is split over this many ranks" in described
     assert any(
         line.startswith("recipe: recipe={bf16 (default), fp8_block, fp8_cs") for line in lines
     )
@@ -125,7 +128,7 @@ def test_train_help_prints_the_field_reference():
 def test_train_help_narrows_and_takes_overrides():
     out = _train_help("-h", "model", "model=llama3_8b")
     assert out.returncode == 0, out.stderr
-    fields = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    fields = re.findall(r"^  (\S+) = ", out.stdout, flags=re.M)
     assert fields and all(f.startswith("model.") for f in fields)
     assert "  model.dim = 4096 " in out.stdout
     bad = _train_help("--help", "nosuchgroup")
@@ -162,3 +165,103 @@ def test_readme_and_docs_links_resolve():
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links: " + "; ".join(broken)
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def _help(capsys, monkeypatch, *args: str, columns: int = 100) -> tuple[int, str, str]:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    status = confhelp.main(["--help", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_help_wraps_to_the_terminal_and_keeps_every_word(capsys, monkeypatch):
+    """Lines fit the terminal's width ($COLUMNS here), wide or narrow, and wrapping drops no
+    word: the text of every field's description is there, in order."""
+    for columns in (72, 120):
+        status, out, _ = _help(capsys, monkeypatch, columns=columns)
+        assert status == 0
+        longest = max(out.splitlines(), key=len)
+        assert len(longest) <= columns, longest
+        flat = " ".join(out.split())
+        for f in confhelp.schema_fields():
+            assert f"{f.path} = {' '.join(f.shown_default.split())}" in flat, f.path
+            assert " ".join(f.doc.split()) in flat, f.path
+
+
+def test_help_names_sweeps_and_the_composed_config(capsys, monkeypatch):
+    _, out, _ = _help(capsys, monkeypatch)
+    assert "python train.py -m optim.lr=1e-3,3e-3" in out and "python train.py --cfg job" in out
+
+
+def test_help_answers_a_wrong_prefix_or_option_in_one_line(capsys, monkeypatch):
+    status, out, err = _help(capsys, monkeypatch, "train.stps")
+    assert status == 2 and not out
+    assert err == "error: no config field starts with train.stps; did you mean train.steps?\n"
+    status, out, err = _help(capsys, monkeypatch, "model=llama3-1b")
+    assert status == 2 and not out
+    assert err == (
+        "error: --help model=llama3-1b: model: no option 'llama3-1b'; choose one of hf, "
+        "llama3_1b, llama3_70b, llama3_8b, small, tiny (files of conf/model/)\n"
+    )
+
+
+def _code_constants() -> set[str]:
+    """Module-level UPPER_CASE names (with an underscore) of the project's Python files."""
+    import ast
+
+    names = set()
+    for path in ROOT.glob("**/*.py"):
+        if {".venv", "tests", "build"} & set(path.relative_to(ROOT).parts):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            targets = (
+                node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            )
+            names |= {
+                t.id
+                for t in targets
+                if isinstance(t, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9]*_[A-Z0-9_]+", t.id)
+            }
+    return names
+
+
+def test_help_names_no_code_constants_and_its_pointers_resolve():
+    """User text (every field's help) names no constant of the code (a user cannot look up
+    `RESUME_FREE`), and each pointer to a page's section, `(docs/RUNS.md, Determinism)` or
+    `(README, ...)`, names a heading that exists."""
+    text = "\n".join(f.doc for f in confhelp.schema_fields())
+    constants = _code_constants()
+    assert "RUNLOCK" not in constants and len(constants) > 20  # the scan finds them
+    assert not [c for c in constants if re.search(rf"\b{c}\b", text)]
+    pointers = re.findall(r"\((README|docs/[A-Z_]+\.md), ([A-Z][^,;)]*)\)", text)
+    assert pointers
+    for page, heading in pointers:
+        path = ROOT / ("README.md" if page == "README" else page)
+        assert _anchor(heading) in _anchors(path), f"({page}, {heading}): no such heading"
+
+
+def test_configuration_md_example_is_what_the_option_sets():
+    """CONFIGURATION.md's example of a group option changing a default is what composing
+    that option gives."""
+    from config import compose_config
+
+    text = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    m = re.search(r"for example `(\w+)=(\w+)` sets `(\w+)\.(\w+)` to\s+(\S+?)\)", text)
+    assert m, "no example sentence"
+    group, option, section, key, value = m.groups()
+    got = getattr(getattr(compose_config([f"{group}={option}"]), section), key)
+    assert str(got) == value and getattr(getattr(compose_config(), section), key) != got
+
+
+def test_readme_example_outputs_are_git_ignored():
+    """What the README's commands write into the checkout (an export folder, a plot) is
+    ignored by git, so following the README leaves `git status` clean."""
+    text = (ROOT / "README.md").read_text()
+    outputs = re.findall(r"convert_hf\.py export \S+ (\S+)", text)
+    outputs += re.findall(r"--plot (\S+)", text)
+    assert "out/hf" in outputs and "cmp.png" in outputs, outputs
+    for path in outputs:
+        r = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, capture_output=True
+        )
+        assert r.returncode == 0, f"{path} (written by a README command) is not git-ignored"

@@ -8,12 +8,18 @@ step (same batches, same weights), and nothing is written."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 
+from checkpoint import preflight, runlock
+from config import compose_config
 from runlog import read_metrics
-from runtime import launch
+from runtime import host_id, launch
 from tests.helpers import CPU_ENV
 from tests.test_eval import TINY
 from tests.test_resume_config import snapshot
@@ -68,10 +74,17 @@ def test_dry_run_then_extending_a_run(tmp_path):
     assert got[3].startswith("memory: about ") and "GiB per GPU (states " in got[3]
     assert got[4].startswith("checkpoint: about ") and "keeps the last 2" in got[4]
     assert got[5].startswith("data: data=embedded seq_len=32 global batch 4 sequences")
-    assert got[6] == (
+    assert got[6].startswith(
+        f"run directory: {tmp_path}/r (would be created) is writable; {tmp_path}/r/checkpoints has "
+    ), got[6]
+    each = preflight.format_bytes(preflight.estimate_checkpoint_bytes(compose_config(TINY).model))
+    assert got[6].endswith(f" free, room for the 3 more checkpoints it needs ({each} each)")
+    assert got[7] == f"lock: {tmp_path}/r/.lock is free"
+    assert got[8] == (
         f"resume: no checkpoint in {tmp_path}/r/checkpoints; starts fresh at step 0 "
         f"({tmp_path}/r would be created)"
     )
+    assert got[9].startswith("not checked: the data itself")
 
     # The run itself: the same parameter count.
     status, out, err = run(tmp_path, "train.steps=4", "checkpoint=sync")
@@ -83,7 +96,8 @@ def test_dry_run_then_extending_a_run(tmp_path):
     # as in a real start; accepted with resume.accept=[train.steps].
     refusal = (
         f"error: resume: {tmp_path}/r has a checkpoint (step 4) of another config: train.steps "
-        "4 -> 8 (the LR schedule's length: 8 steps unless optim.schedule_steps=4); to start a "
+        "4 -> 8 (the LR schedule's length: 8 steps unless optim.schedule_steps=4; the lr of "
+        "step 5: 3.00e-04 -> 2.33e-03 (the lr rises again)); to start a "
         "separate run, add run.name=NAME; to continue this run with the change on purpose, add "
         "resume.accept=[train.steps]; or resume with the checkpoint's values"
     )
@@ -95,9 +109,10 @@ def test_dry_run_then_extending_a_run(tmp_path):
         tmp_path, "train.steps=8", "resume.accept=[train.steps]", "train.dry_run=true"
     )
     assert status == 0, err
-    assert lines(out)[-1] == (
+    assert lines(out)[-2] == (
         f"resume: from {tmp_path}/r/checkpoints/step_0000004 (step 4) with accepted changes: "
-        "train.steps 4 -> 8 (the LR schedule's length: 8 steps unless optim.schedule_steps=4)"
+        "train.steps 4 -> 8 (the LR schedule's length: 8 steps unless optim.schedule_steps=4; "
+        "the lr of step 5: 3.00e-04 -> 2.33e-03 (the lr rises again))"
     )
     assert snapshot(tmp_path / "r") == before
 
@@ -109,6 +124,59 @@ def test_dry_run_then_extending_a_run(tmp_path):
         "this run with train.steps=N resume.accept=[train.steps] (N > 4), or start a separate "
         "run with run.name=NAME"
     ) in out
+
+
+def test_dry_run_refuses_what_the_run_refuses_and_refusals_create_nothing(tmp_path):
+    """The checks a start makes before training (free space, writability, the run lock) are the
+    dry run's too, with the same line; a refused start leaves no directory behind, whether
+    refused before the run directory is made (disk space) or after (the data)."""
+    space = ["model=llama3_70b", "checkpoint.keep_last=1000"]  # ~840 GB a checkpoint, x 1001
+    refusals = []
+    for dry in ("true", "false"):
+        r = launch(
+            [f"run.root={tmp_path}", "run.name=r", *space, f"train.dry_run={dry}"], env=CPU_ENV
+        )
+        out = lines(r.stdout)  # the CPU note only (runtime.cpu_note): 70B does not train here
+        assert r.returncode == 2 and len(out) == 1, r.stdout
+        assert out[0].startswith("note: model=llama3_70b on this CPU: about "), out
+        refusals += lines(r.stderr)
+    free = [re.sub(r" has [\d.]+ \w+ free", " has ... free", x) for x in refusals]
+    assert len(refusals) == 2 and free[0] == free[1], refusals  # the free space may move
+    assert (
+        refusals[0].startswith(f"error: checkpoint.dir=checkpoints: {tmp_path}/r/checkpoints has ")
+        and "1001 more checkpoints of model llama3_70b need about" in refusals[0]
+    )
+    assert not any(tmp_path.iterdir())
+
+    # A run directory that cannot be made (run.root is a file), and one a live run holds.
+    (tmp_path / "file").write_text("")
+    status, out, err = run(tmp_path / "file", "train.dry_run=true")
+    assert status == 2 and lines(err) == [
+        f"error: run.root={tmp_path}/file: cannot write to {tmp_path}/file/r ({tmp_path}/file "
+        "is not a directory); choose a writable directory"
+    ], err
+    (tmp_path / "r").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = {"host": host_id(), "pid": holder.pid, "started": time.time(), "token": "t"}
+        (tmp_path / "r" / runlock.LOCK_NAME).write_text(json.dumps(lock))
+        status, out, err = run(tmp_path, "train.dry_run=true")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert status == 2 and len(lines(err)) == 1, err
+    assert lines(err)[0].startswith(
+        f"error: run directory {tmp_path}/r is in use by another run (host "
+    ), err
+    (tmp_path / "r" / runlock.LOCK_NAME).unlink()
+    (tmp_path / "r").rmdir()
+
+    # Refused by the data after the run directory was made: it is removed again.
+    (tmp_path / "x.jsonl").write_text('{"body": "no text field"}\n')
+    data = ["data=hf", f"data.path={tmp_path}/x.jsonl", "data.tokenizer=byte"]
+    status, out, err = run(tmp_path, *data)
+    assert status == 2 and lines(err)[-1].startswith("error: data.text_field='text'"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "x.jsonl"]
 
 
 def test_warmup_longer_than_the_schedule_warns_once(tmp_path):

@@ -16,6 +16,7 @@ from model.config import ModelConfig
 from model.flops import (
     attention_flops_per_pair,
     batch_attention_pairs,
+    causal_row_flops_per_token,
     dense_flops_per_token,
     matmul_params,
     step_flops,
@@ -105,3 +106,9 @@ def test_memory_summary_replays_the_allocator_trace_to_its_peak():
     assert "- peak: 15.00 GiB = the rest of that 9.00 GiB + 6.00 GiB" in text
     assert "| model/llama.py:10 f | 5.00 | 2 |" in text  # the last two path parts
     assert "| repo/steps.py:20 f | 1.00 | 1 |" in text
+
+
+def test_causal_row_cost_per_token():
+    # One causal row of 8 tokens: 36 pairs over 8 tokens.
+    per_token = causal_row_flops_per_token(CFG, 8)
+    assert per_token == pytest.approx(dense_flops_per_token(CFG) + 36 / 8 * 2304)

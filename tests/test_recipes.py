@@ -71,17 +71,21 @@ def error_of(cfg: RecipeConfig, impl: str = "te", device: torch.device = CUDA) -
 
 
 def test_reference_impl_runs_bf16_only():
-    assert error_of(RecipeConfig(name="fp8_cs"), impl="torch", device=CPU) == (
+    assert error_of(RecipeConfig(name="fp8_cs"), impl="torch", device=CUDA) == (
         "recipe=fp8_cs needs the TE implementation (model.impl=te) and a CUDA GPU; "
-        "the reference implementation runs bf16 only"
+        "the reference implementation runs bf16 only: use recipe=bf16, or model.impl=te with "
+        "TE installed (make setup-gpu)"
     )
     check_recipe(RecipeConfig(name="bf16"), "torch", CPU)
 
 
-def test_cpu_needs_te_and_gpu():
-    assert error_of(RecipeConfig(name="fp8_delayed"), device=CPU) == (
+@pytest.mark.parametrize("impl", ["te", "torch"])
+def test_cpu_needs_te_and_gpu(impl):
+    """On CPU the way out is recipe=bf16 (named), whichever implementation was asked for."""
+    assert error_of(RecipeConfig(name="fp8_delayed"), impl=impl, device=CPU) == (
         "recipe=fp8_delayed needs TransformerEngine and a CUDA GPU; this run is on CPU, "
-        "which runs recipe=bf16 only"
+        "which runs recipe=bf16 only: use recipe=bf16 here, or run on a GPU with TE "
+        "(make setup-gpu)"
     )
 
 

@@ -111,6 +111,10 @@ def test_extending_train_steps():
     # after train.steps.
     (c,) = check_resume(saved, resolved("train.steps=600"), ["optim.schedule_steps"], step=300)
     assert str(c).startswith("train.steps 300 -> 600")
+    # The stretched cosine puts the lr back up, and the change says so (the README's
+    # extension to 400 steps: 3.00e-04 at the end of 300, 7.58e-04 for step 301).
+    (c,) = check_resume(saved, resolved("train.steps=400"), ["train.steps"], step=300)
+    assert str(c).endswith("; the lr of step 301: 3.00e-04 -> 7.58e-04 (the lr rises again))")
     # ... or keep it: past schedule_steps the lr stays at its final value.
     current = resolved("train.steps=600", "optim.schedule_steps=300")
     assert check_resume(saved, current, [], step=300) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from runtime import (
     GcSchedule,
     apply_nccl_priority,
     check_determinism,
+    cpu_note,
+    cpu_run_estimate,
+    cpu_threads,
     launch,
 )
 from tests.helpers import CPU_ENV, TINY_RUN
@@ -132,3 +136,58 @@ def test_failure_line_names_the_rank_error_not_torchrun_summary(tmp_path):
     refused = "[rank0]: warning\nerror: data.path='x' does not exist\nChildFailedError:\n"
     assert failure_line(refused) == "error: data.path='x' does not exist"
     assert failure_line("") == "?" and failure_line("last words\n") == "last words"
+
+
+def test_cpu_threads_from_the_idle_cores():
+    """The idle cores at start, shared among the node's processes, 1 to MAX_CPU_THREADS
+    (measured: docs/PERFORMANCE.md, CPU threads); OMP_NUM_THREADS, set by the user or by
+    torchrun, is kept."""
+    assert cpu_threads({}, cores=2, load=0.2) == (2, "2 cores, load 0.2: 2 idle")
+    assert cpu_threads({}, cores=2, load=1.0) == (1, "2 cores, load 1.0: 1 idle")
+    assert cpu_threads({}, cores=2, load=4.8) == (1, "2 cores, load 4.8: 0 idle")
+    assert cpu_threads({}, cores=16, load=0.0)[0] == 2  # more is not measured to help
+    two = {"LOCAL_WORLD_SIZE": "2"}
+    assert cpu_threads(two, cores=2, load=0.0) == (1, "2 cores, load 0.0: 2 idle over 2 processes")
+    assert cpu_threads(two, cores=8, load=1.0)[0] == 2
+    assert cpu_threads({"OMP_NUM_THREADS": "4"}, cores=2, load=9) == (4, "OMP_NUM_THREADS")
+    assert cpu_threads({"OMP_NUM_THREADS": "0"}, cores=2, load=0)[0] == 2
+
+
+def test_cpu_estimate_against_the_measured_runs():
+    """The estimate against what was measured on 2 cores: model=tiny 0.67 s a step at a
+    52 GFLOP/s probe (0.82 GiB peak RSS), model=small about a minute a step (5 GB); only models
+    above SLOW_CPU_STEP_S get the start-up note."""
+    from config import compose_config
+
+    tiny = cpu_run_estimate(compose_config(), 1, rate=52e9)
+    assert 0.67 / 2 < tiny["step_s"] < 0.67 * 2 and 0.82 / 2 < tiny["memory_gib"] < 0.82 * 2
+    small = cpu_run_estimate(compose_config(["model=small"]), 1, rate=52e9)
+    assert 30 < small["step_s"] < 180 and 2.5 < small["memory_gib"] < 10
+    assert cpu_note(compose_config(), 1, 1, rate=52e9) is None
+    assert cpu_note(compose_config(["model=small"]), 1, 1, rate=52e9).startswith(
+        "note: model=small on this CPU: about 1m"
+    )
+
+
+def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
+    """model=llama3_1b on CPU: the estimate and the way out come first, before any check that
+    follows the config's (here the run directory's, refused) and before the model is built;
+    the dry run says it too."""
+    from config import compose_config
+
+    memory = cpu_run_estimate(compose_config(["model=llama3_1b"]), 1, rate=1.0)["memory_gib"]
+    note = re.compile(
+        r"note: model=llama3_1b on this CPU: about \S+ a step of 16 x 256 tokens \(300 steps: "
+        rf"about \S+\) and {memory:.1f} GiB of memory per process, (more|less) than this "
+        r"machine's \d+ GiB \(estimate at 1 thread, \d+ GFLOP/s measured now\); for a CPU run "
+        r"use model=tiny, to check this config train.dry_run=true, to train it a GPU "
+        r"\(docs/INSTALL.md\)"
+    )
+    (tmp_path / "file").write_text("")
+    r = launch(["model=llama3_1b", f"run.root={tmp_path}/file"], env=CPU_ENV, timeout=300)
+    out = [x for x in r.stdout.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(out) == 1 and note.fullmatch(out[0]), r.stdout + r.stderr
+    assert r.stderr.strip().startswith(f"error: run.root={tmp_path}/file: cannot write to ")
+    r = launch(["model=llama3_1b", "train.dry_run=true", f"run.root={tmp_path}"], env=CPU_ENV)
+    out = [x for x in r.stdout.splitlines() if x.strip()]
+    assert r.returncode == 0 and note.fullmatch(out[0]) and out[1].startswith("dry run: "), out

@@ -46,6 +46,18 @@ def test_greedy_from_export_equals_greedy_from_run(trained):
 
 
 @pytest.mark.slow
+def test_export_files_have_the_usual_mode(trained):
+    """Every exported file, the safetensors weights included, is written with the mode a new
+    file gets under the umask (0644 usually): others on a shared filesystem can read them."""
+    _, export = trained
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in export.iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes
+    assert set(modes.values()) == {oct(0o666 & ~mask)}, modes
+
+
+@pytest.mark.slow
 def test_sampling_is_a_function_of_the_seed(trained):
     run, _ = trained
     s = load(run)

@@ -57,8 +57,18 @@ WRONG = [
     ),
     (
         ["train.stpes=100"],
-        "error: train.stpes: no such key in train; did you mean steps?",
+        "error: train.stpes: no such key in train; did you mean train.steps?",
         "its keys: steps",
+    ),
+    (
+        ["optim.learning_rate=1e-3"],
+        "error: optim.learning_rate: no such key in optim; did you mean optim.lr?",
+        "its keys: name, lr,",
+    ),
+    (
+        ["recipe=fp8_cs"],
+        "error: recipe=fp8_cs needs TransformerEngine and a CUDA GPU; this run is on CPU",
+        "use recipe=bf16 here",
     ),
     (
         ["train.steps=abc"],
