@@ -37,12 +37,14 @@ def lines(text: str) -> list[str]:
 def test_long_context_preset_with_synthetic_data_needs_no_tokenizer(tmp_path):
     """experiment=llama3_8b_32k data=synthetic offline with an empty Hugging Face cache: the
     preset's hub tokenizer is never asked for (its dry run passes and says so). One process,
-    so parallel.cp=1; the tokenizer step does not depend on cp."""
+    so parallel.cp=1; the tokenizer step does not depend on cp. checkpoint=none: the dry
+    run checks free space for 8B checkpoints too, which this test is not about."""
     r = launch(
         [
             "experiment=llama3_8b_32k",
             "data=synthetic",
             "parallel.cp=1",
+            "checkpoint=none",
             "train.dry_run=true",
             f"run.root={tmp_path}",
         ],
