@@ -621,9 +621,9 @@ def test_pruning_never_holds_a_save_and_keep_last_holds_at_the_end(tmp_path, mon
     release = threading.Event()
     real_prune = store.prune
 
-    def slow_prune(root, keep_last, *failed):
+    def slow_prune(root, keep_last, *failed, **kw):
         release.wait(timeout=60)
-        return real_prune(root, keep_last, *failed)
+        return real_prune(root, keep_last, *failed, **kw)
 
     monkeypatch.setattr(store, "prune", slow_prune)
     run = Run(tmp_path, mode=mode, interval=1, keep_last=2, when_busy="wait")  # every step saved
