@@ -19,6 +19,8 @@
 #                                         # and cp_comm_type (CP2_RECIPES="bf16", CP2_COMMS="p2p a2a" for subsets)
 #   bash tests/gpu/suite.sh cpseq         # 2 GPUs: tokens/s at seq 32k and 64k with cp=2, then the longest sequence
 #                                         # that trains per layout (cp=1 on 1 GPU, fsdp x2, cp=2, cp=2 + full recompute)
+#   bash tests/gpu/suite.sh peer8b        # 2 GPUs: llama3_8b FSDP seq 8192 against torchtitan v0.2.2 (compiled bf16
+#                                         # and float8) in one call; needs the peer's bundle in .peers/ (docs/PERFORMANCE.md)
 #   bash tests/gpu/suite.sh levers        # 2 GPUs: llama3_8b FSDP seq 8192, global batch 128 (accumulation): recipes x
 #                                         # recomputation, then one lever at a time (LEVER_CASES="case ..." for a subset)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
@@ -322,6 +324,40 @@ levers() {
 }
 
 # shellcheck disable=SC2329
+peer8b() {
+    stage "llama3_8b FSDP on 2 GPUs, seq 8192, global batch ${PEER_GB:-8}: torchtitan (compiled) and this recipe, one call"
+    if [[ ! -f .peers/setup.sh || $NGPU -lt 2 ]]; then
+        echo "peer8b: not run: needs 2 GPUs and torchtitan's bundle in .peers/ (docs/PERFORMANCE.md)"; status=1; return
+    fi
+    # shellcheck disable=SC1091  # the peer's bundle, copied in by hand
+    source .peers/setup.sh
+    local gb=${PEER_GB:-8} b=llama3_8b:fsdp name
+    local fp8=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output
+               --quantize.linear.float8.enable_fsdp_float8_all_gather
+               --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+    rm -f "$OUT/peer8b_torchtitan.jsonl"
+    for name in bf16 float8; do
+        local tt_args=()
+        [[ $name == float8 ]] && tt_args=("${fp8[@]}")
+        timeout 300 "$PY" .peers/tt_bench.py --tt /tmp/tt --name "tt-$name" --mbs 1 --nproc 2 --steps 10 \
+            --from-step 4 --timeout 290 --jsonl "$OUT/peer8b_torchtitan.jsonl" --logdir "$OUT" -- \
+            --model.flavor 8B --compile.enable --activation_checkpoint.mode none \
+            --training.global_batch_size "$gb" --metrics.log_freq 2 "${tt_args[@]}" || status=1
+    done
+    "$PY" tools/bench_step.py --nproc 2 --global-batch "$gb" --steps 5 --warmup 2 --case "$b:bf16:none:1" \
+        --case "$b:fp8_cs+q:none:1" --case "$b:fp8_cs+q:none:1@parallel.reduce_dtype=bf16" \
+        --case "$b:bf16:none:1@parallel.reduce_dtype=bf16" --case "$b:fp8_cs+q:selective:1" \
+        --json "$OUT/peer8b_ours.json" 2>&1 | tee "$OUT/peer8b_ours.log" | tail -8 || status=1
+    "$PY" - "$OUT/peer8b_torchtitan.jsonl" <<'PYEOF'
+import json, sys
+print("| torchtitan | tokens/s/GPU | peak allocated GiB |\n|---|---|---|")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"| {r['name']} | {r.get('tokens_per_s_per_gpu', 0):,.0f} | {r.get('peak_alloc_gib_run')} |")
+PYEOF
+}
+
+# shellcheck disable=SC2329
 switch() {
     stage "recipe switch: llama3_1b seq 8192, fp8_cs + quantized_init -> bf16 at 80% of ${SWITCH_STEPS:-25} steps"
     "$PY" tools/recipe_switch_demo.py --steps "${SWITCH_STEPS:-25}" --out "$OUT/recipe_switch" 2>&1 \
@@ -344,8 +380,8 @@ determinism() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers) "$what" ;;
-        *) echo "usage: $0 single|multi|ac|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b) "$what" ;;
+        *) echo "usage: $0 single|multi|ac|peer8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
     esac
 done
 exit $status
