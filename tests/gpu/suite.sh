@@ -21,6 +21,9 @@
 #                                         # that trains per layout (cp=1 on 1 GPU, fsdp x2, cp=2, cp=2 + full recompute)
 #   bash tests/gpu/suite.sh peer8b        # 2 GPUs: llama3_8b FSDP seq 8192 against torchtitan v0.2.2 (compiled bf16
 #                                         # and float8) in one call; needs the peer's bundle in .peers/ (docs/PERFORMANCE.md)
+#   bash tests/gpu/suite.sh cp8b          # 4 GPUs: llama3_8b causal, seq 32k with cp=4 and cp=2 x FSDP 2, bf16 and FP8,
+#                                         # against torchtitan v0.2.2 (compiled, its context parallelism) in one call,
+#                                         # then 8k tokens per GPU at cp=1/2/4 (CP8B_SEQS, CP8B_CPS, CP8B_RECIPES, CP8B_AC)
 #   bash tests/gpu/suite.sh levers        # 2 GPUs: llama3_8b FSDP seq 8192, global batch 128 (accumulation): recipes x
 #                                         # recomputation, then one lever at a time (LEVER_CASES="case ..." for a subset)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
@@ -358,6 +361,78 @@ PYEOF
 }
 
 # shellcheck disable=SC2329
+cp8b() {
+    stage "llama3_8b on 4 GPUs, causal attention, context parallelism: torchtitan (compiled) and this recipe, one call"
+    if [[ ! -f .peers/setup.sh || $NGPU -lt 4 ]]; then
+        echo "cp8b: not run: needs 4 GPUs and torchtitan's bundle in .peers/ (docs/CONTEXT_PARALLEL.md)"; status=1; return
+    fi
+    # shellcheck disable=SC1091  # the peer's bundle, copied in by hand
+    source .peers/setup.sh
+    local fp8=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output
+               --quantize.linear.float8.enable_fsdp_float8_all_gather
+               --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+    local ac=${CP8B_AC:-none} seq cp recipe gb tt_args ours eager=""
+    # torchtitan's trainer for one row: name, then its extra flags (seq, cp, gb, ac, tt_args
+    # from the loop below).
+    cp8b_peer() {
+        timeout 200 "$PY" .peers/tt_bench.py --tt /tmp/tt --name "$1" --mbs 1 --nproc 4 --seq "$seq" \
+            --steps 8 --from-step 4 --timeout 190 --jsonl "$OUT/cp8b_torchtitan.jsonl" --logdir "$OUT" -- \
+            --model.flavor 8B "${@:2}" --activation_checkpoint.mode "$ac" \
+            --parallelism.context_parallel_degree "$cp" --training.global_batch_size "$gb" \
+            --metrics.log_freq 2 "${tt_args[@]}" 2>&1 | tail -1
+    }
+    rm -f "$OUT/cp8b_torchtitan.jsonl" "$OUT/cp8b_ours.json"
+    # Both sides: micro batch 1, data-parallel size 4 / cp, global batch = that size (no
+    # accumulation), FSDP over dp x cp, the same recomputation.
+    for seq in ${CP8B_SEQS:-32768}; do
+        for cp in ${CP8B_CPS:-4 2}; do
+            gb=$((4 / cp))
+            for recipe in ${CP8B_RECIPES:-bf16 fp8}; do
+                tt_args=(); ours=bf16
+                [[ $recipe == fp8 ]] && { tt_args=("${fp8[@]}"); ours=fp8_cs+q; }
+                # Compiled, as torchtitan is measured elsewhere; should its compile fail under cp
+                # (not out of memory), this and the later peer rows run uncompiled, named -eager.
+                if [[ -z $eager ]] && ! cp8b_peer "tt-$recipe-$seq-cp$cp" --compile.enable; then
+                    status=1
+                    grep -q '"oom": true' <(tail -1 "$OUT/cp8b_torchtitan.jsonl") || eager=-eager
+                fi
+                [[ -n $eager ]] && { cp8b_peer "tt-$recipe-$seq-cp$cp$eager" || status=1; }
+                timeout 200 "$PY" tools/bench_step.py --nproc 4 --seq "$seq" --global-batch "$gb" --steps 6 \
+                    --warmup 2 --case "llama3_8b:fsdp:$ours:$ac:1:causal@parallel.cp=$cp@model.max_seq_len=$seq" \
+                    --json "$OUT/cp8b_ours.json" >> "$OUT/cp8b_ours.log" 2>&1 || status=1
+                tail -1 "$OUT/cp8b_ours.log"
+            done
+        done
+    done
+    if [[ ${CP8B_SCALING:-1} == 1 ]]; then
+        # 8k tokens per GPU: seq 8k cp=1 x FSDP 4, 16k cp=2 x FSDP 2 (32k cp=4 is above)
+        for cp in 1 2; do
+            seq=$((8192 * cp))
+            timeout 200 "$PY" tools/bench_step.py --nproc 4 --seq "$seq" --global-batch $((4 / cp)) --steps 6 \
+                --warmup 2 --case "llama3_8b:fsdp:bf16:$ac:1:causal@parallel.cp=$cp@model.max_seq_len=$seq" \
+                --json "$OUT/cp8b_ours.json" >> "$OUT/cp8b_ours.log" 2>&1 || status=1
+            tail -1 "$OUT/cp8b_ours.log"
+        done
+    fi
+    "$PY" - "$OUT/cp8b_torchtitan.jsonl" "$OUT/cp8b_ours.json" <<'PYEOF'
+import json, sys
+from pathlib import Path
+print("| run | tokens/s/GPU | MFU | peak allocated GiB |\n|---|---|---|---|")
+for path in sys.argv[1:]:
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        r = json.loads(line)
+        name = r.get("name") or r.get("case")
+        if r.get("ok") is False or r.get("error"):
+            print(f"| {name} | FAILED: {r.get('error') or r.get('tried')} | | |")
+            continue
+        mfu = r.get("mfu")
+        mfu = f"{mfu:.1%}" if mfu is not None else f"{r.get('mfu_torchtitan', 0):.1f}% (its own count)"
+        peak = r.get("peak_gib", r.get("peak_alloc_gib_run"))
+        print(f"| {name} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {peak} |")
+PYEOF
+}
+
+# shellcheck disable=SC2329
 switch() {
     stage "recipe switch: llama3_1b seq 8192, fp8_cs + quantized_init -> bf16 at 80% of ${SWITCH_STEPS:-25} steps"
     "$PY" tools/recipe_switch_demo.py --steps "${SWITCH_STEPS:-25}" --out "$OUT/recipe_switch" 2>&1 \
@@ -380,8 +455,8 @@ determinism() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b) "$what" ;;
-        *) echo "usage: $0 single|multi|ac|peer8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|cp8b) "$what" ;;
+        *) echo "usage: $0 single|multi|ac|peer8b|cp8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
     esac
 done
 exit $status
