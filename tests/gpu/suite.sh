@@ -33,7 +33,8 @@
 #                                         # ($OUT/multitier_table.md, logs in $OUT/multitier_logs.tgz). A part
 #                                         # that needs more GPUs is "not run"; exit 1 on any failed or not-run row
 #                                         # (MULTITIER_ALLOW_NOT_RUN=1: only failures). MULTITIER_PARTS="parity
-#                                         # kill9" for a subset, MULTITIER_TIMEOUT=420 s per job
+#                                         # kill9" for a subset, MULTITIER_TIMEOUT=420 s per job; MULTITIER_DRY=4
+#                                         # prints the commands of 4 GPUs instead of running them
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
@@ -406,6 +407,9 @@ mt_needs() {
 # the exit status (124 / 137: timed out) for `multitier rows --rc`.
 mt_job() {
     local log=$3; shift 3
+    if [[ -n ${MULTITIER_DRY:-} ]]; then  # the plumbing only: the command goes to its log
+        echo "$*" > "$log"; echo "dry: $*" >&2; echo 0; return
+    fi
     timeout -k 15 "$MT_T" "$@" > "$log" 2>&1
     echo $?
 }
@@ -536,6 +540,8 @@ multitier() {
     # NVLink multicast off (NCCL NVLS, symmetric memory), as the gpu tests run.
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     local parts=() p pids=() t0=$SECONDS
+    # MULTITIER_DRY=N: pretend N GPUs and only print each job's command (a check of the stage)
+    [[ -z ${MULTITIER_DRY:-} ]] || NGPU=$MULTITIER_DRY
     read -r -a parts <<< "${MULTITIER_PARTS:-${MT_PARTS[*]}}"
     for p in "${parts[@]}"; do
         [[ " ${MT_PARTS[*]} " == *" $p "* ]] || { echo "multitier: no part $p (${MT_PARTS[*]})" >&2; status=1; continue; }
