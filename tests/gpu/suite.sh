@@ -28,6 +28,16 @@
 #                                         # recomputation, then one lever at a time (LEVER_CASES="case ..." for a subset)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
 #                                         # (SCALE_RECIPES="bf16 fp8_block-q" for others; -q: quantized_init)
+#   bash tests/gpu/suite.sh multitier     # 2-4 GPUs, every multi-GPU check in one call, side by side: the gpu tests
+#                                         # that need 2+ GPUs, recomputation (ac), layout parity vs 1 GPU incl. cp
+#                                         # and documents, the resume matrix (6 layouts + cp=2 x fsdp, cp=2 x tp),
+#                                         # resharding 4 -> 2 -> 1 and 1 -> 4 per recipe (+quantized_init), kill -9
+#                                         # of a rank mid async save then an exact resume; one table last
+#                                         # ($OUT/multitier_table.md, logs in $OUT/multitier_logs.tgz). A part
+#                                         # that needs more GPUs is "not run"; exit 1 on any failed or not-run row
+#                                         # (MULTITIER_ALLOW_NOT_RUN=1: only failures). MULTITIER_PARTS="parity
+#                                         # kill9" for a subset, MULTITIER_TIMEOUT=420 s per job; MULTITIER_DRY=4
+#                                         # prints the commands of 4 GPUs instead of running them
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
@@ -451,12 +461,183 @@ determinism() {
         | tee "$OUT/bench_determinism.log" || status=1
 }
 
+# -- multitier: every multi-GPU check in one call (tests/harness/multitier.py makes the table) --
+
+MT_PARTS=(tests ac parity matrix reshard kill9)
+
+# shellcheck disable=SC2329
+mt_py() { "$PY" -m tests.harness.multitier "$@"; }
+
+# shellcheck disable=SC2329
+# mt_needs PART CASE N: true when this machine has N GPUs; else one not-run row (and line).
+mt_needs() {
+    [[ $NGPU -ge $3 ]] && return 0
+    mt_py notrun --part "$1" --case "$2" --reason "needs $3 GPUs, this machine has $NGPU" \
+        --out "$MT/rows_$1.jsonl"
+    return 1
+}
+
+# shellcheck disable=SC2329
+# mt_job PART JOB LOG CMD...: CMD under `timeout` (MULTITIER_TIMEOUT), its output in LOG; prints
+# the exit status (124 / 137: timed out) for `multitier rows --rc`.
+mt_job() {
+    local log=$3; shift 3
+    if [[ -n ${MULTITIER_DRY:-} ]]; then  # the plumbing only: the command goes to its log
+        echo "$*" > "$log"; echo "dry: $*" >&2; echo 0; return
+    fi
+    timeout -k 15 "$MT_T" "$@" > "$log" 2>&1
+    echo $?
+}
+
+# shellcheck disable=SC2329
+mt_tests() {  # the gpu tests that need 2 GPUs (test_parallel_gpu.py: its harness runs in mt_parity,
+              # test_ac_layouts_gpu.py: in mt_ac); test_cp_gpu runs cp=2 / 4 over gloo on GPU 0
+    mt_needs tests "pytest (2 GPUs)" 2 || return 0
+    local rc
+    rc=$(CUDA_VISIBLE_DEVICES=0,1 mt_job tests pytest "$MT/tests.log" "$PY" -m pytest -m gpu -q \
+        -p no:cacheprovider --junitxml="$MT/tests.xml" \
+        tests/gpu/test_checkpoint_gpu.py::test_fused_adam_reshards_2_to_1_gpus tests/gpu/test_cp_gpu.py)
+    # pytest's status 1 is "a test failed": the rows say which
+    [[ $rc == 1 ]] && rc=0
+    mt_py rows junit "$MT/tests.xml" --part tests --job pytest --rc "$rc" --timeout "$MT_T" \
+        --out "$MT/rows_tests.jsonl"
+}
+
+# shellcheck disable=SC2329
+mt_ac() {
+    mt_needs ac "recomputation x recipe (2 GPUs)" 2 || return 0
+    local rc vis=2,3  # beside mt_tests' 0,1
+    [[ $NGPU -ge 4 ]] || vis=0,1
+    rc=$(CUDA_VISIBLE_DEVICES=$vis mt_job ac ac "$MT/ac.log" torchrun --standalone --nproc_per_node=2 \
+        -m tests.harness.ac_layouts --jsonl "$MT/ac.jsonl")
+    mt_py rows ac "$MT/ac.jsonl" --part ac --job ac_layouts --rc "$rc" --timeout "$MT_T" \
+        --out "$MT/rows_ac.jsonl"
+}
+
+# shellcheck disable=SC2329
+mt_parity() {
+    local pids=() job
+    # name:GPUs:visible:harness args (the 2-GPU job: layouts that fit 2, so a skipped row is real)
+    local jobs=(
+        "2gpu:2:0,1:--layouts ddp,fsdp,hsdp,tp,fsdp_tp,fsdp+cp2,fsdp+cp2+docs,tp+docs"
+        "4gpu:4:0,1,2,3:--layouts ddp,fsdp,hsdp,tp,fsdp_tp,hsdp_tp"
+        "4gpu_cp_docs:4:0,1,2,3:--gather-recipes= --layouts fsdp+cp2,fsdp+cp2+docs,tp+cp2,tp+cp2+docs,hsdp+cp2,tp+docs,fsdp_tp+docs,hsdp_tp+docs"
+        "4gpu_nosp:4:0,1,2,3:--gather-recipes= --recipes bf16 --no-sequence-parallel --layouts tp,fsdp_tp"
+    )
+    for job in "${jobs[@]}"; do
+        local name=${job%%:*} rest=${job#*:}
+        local n=${rest%%:*}; rest=${rest#*:}
+        local vis=${rest%%:*} hargs=${rest#*:}
+        mt_needs parity "$name: every layout vs 1 GPU" "$n" || continue
+        (
+            # shellcheck disable=SC2086  # hargs are words
+            rc=$(CUDA_VISIBLE_DEVICES=$vis mt_job parity "$name" "$MT/parity_$name.log" torchrun \
+                --standalone --nproc_per_node="$n" -m tests.harness.parity --json "$MT/parity_$name.json" $hargs)
+            mt_py rows parity "$MT/parity_$name.json" --part parity --job "parity $name" \
+                --label "$name" --rc "$rc" --timeout "$MT_T" --out "$MT/rows_parity_$name.jsonl"
+        ) &
+        pids+=($!)
+    done
+    for job in "${pids[@]}"; do wait "$job"; done
+    cat "$MT"/rows_parity_*.jsonl >> "$MT/rows_parity.jsonl" 2>/dev/null
+    rm -f "$MT"/rows_parity_*.jsonl
+}
+
+# shellcheck disable=SC2329
+mt_matrix() {
+    mt_needs matrix "resume matrix: 6 layouts + cp=2 x fsdp, cp=2 x tp (4 GPUs)" 4 || return 0
+    local pids=() i=-1 job
+    for job in ddp:ddp: fsdp:fsdp: hsdp:hsdp: tp:tp: fsdp_tp:fsdp_tp: hsdp_tp:hsdp_tp: \
+               fsdp+cp2:fsdp:parallel.cp=2 tp+cp2:tp:parallel.cp=2; do
+        i=$((i + 1))  # the checkpoint-mode rotation follows the position in this list
+        local name=${job%%:*} rest=${job#*:}
+        local layout=${rest%%:*} more=${rest#*:}
+        (
+            # shellcheck disable=SC2086  # more: one override or none
+            rc=$(mt_job matrix "$name" "$MT/matrix_$name.log" torchrun --standalone --nproc_per_node=4 \
+                -m tests.harness.matrix --layout "$layout" --name "$name" --layout-index "$i" \
+                --jsonl "$MT/matrix_$name.jsonl" -- "${MATRIX_MODEL[@]}" $more)
+            mt_py rows matrix "$MT/matrix_$name.jsonl" --part matrix --job "matrix $name" --rc "$rc" \
+                --timeout "$MT_T" --out "$MT/rows_matrix_$name.jsonl"
+        ) &
+        pids+=($!)
+    done
+    for job in "${pids[@]}"; do wait "$job"; done
+    cat "$MT"/rows_matrix_*.jsonl >> "$MT/rows_matrix.jsonl" 2>/dev/null
+    rm -f "$MT"/rows_matrix_*.jsonl
+}
+
+# shellcheck disable=SC2329
+mt_reshard() {
+    mt_needs reshard "4 -> 2 -> 1 and 1 -> 4 per recipe (4 GPUs)" 4 || return 0
+    local pids=() g=0 v
+    declare -A extra=([bf16]="recipe=bf16" [fp8_delayed+q]="recipe=fp8_delayed recipe.quantized_init=true"
+                      [fp8_cs+q]="recipe=fp8_cs recipe.quantized_init=true"
+                      [fp8_block+q]="recipe=fp8_block recipe.quantized_init=true")
+    for v in bf16 fp8_delayed+q fp8_cs+q fp8_block+q; do
+        (
+            # shellcheck disable=SC2086  # the recipe overrides are words
+            rc=$(mt_job reshard "$v" "$MT/reshard_$v.log" "$PY" -m tests.harness.reshard \
+                --root "$MT_ROOT/reshard/$v" --name "$v" --gpus 0,1,2,3 --one-gpu "$g" \
+                --timeout $((MT_T / 3)) --logs "$MT" --jsonl "$MT/reshard_$v.jsonl" \
+                -- "${MATRIX_MODEL[@]}" ${extra[$v]})
+            mt_py rows rows "$MT/reshard_$v.jsonl" --part reshard --job "reshard $v" --rc "$rc" \
+                --timeout "$MT_T" --out "$MT/rows_reshard_$v.jsonl"
+        ) &
+        pids+=($!)
+        g=$((g + 1))  # each variant's 1-GPU runs on a GPU of its own
+    done
+    for v in "${pids[@]}"; do wait "$v"; done
+    cat "$MT"/rows_reshard_*.jsonl >> "$MT/rows_reshard.jsonl" 2>/dev/null
+    rm -f "$MT"/rows_reshard_*.jsonl
+}
+
+# shellcheck disable=SC2329
+mt_kill9() {
+    mt_needs kill9 "kill -9 of a rank during an async save (2 GPUs)" 2 || return 0
+    local rc vis=2,3
+    [[ $NGPU -ge 4 ]] || vis=0,1
+    # train.deterministic: the resumed losses are compared bit for bit (it refuses document
+    # masking on sm_90, docs/RUNS.md); the reference run shares the killed run's GPUs.
+    rc=$(CUDA_VISIBLE_DEVICES=$vis mt_job kill9 kill9 "$MT/kill9.log" "$PY" -m tests.harness.kill_save \
+        --root "$MT_ROOT/kill9" --logs "$MT" --timeout $((MT_T / 2)) --jsonl "$MT/kill9.jsonl" \
+        -- "${MATRIX_MODEL[@]}" recipe=bf16 train.deterministic=true data.document_mask=false)
+    mt_py rows rows "$MT/kill9.jsonl" --part kill9 --job kill9 --rc "$rc" --timeout "$MT_T" \
+        --out "$MT/rows_kill9.jsonl"
+}
+
+# shellcheck disable=SC2329
+multitier() {
+    stage "multitier: every multi-GPU check on $NGPU GPUs, side by side (parts: ${MULTITIER_PARTS:-${MT_PARTS[*]}})"
+    MT="$OUT/multitier" MT_ROOT=/tmp/gpu-suite-multitier MT_T=${MULTITIER_TIMEOUT:-420}
+    rm -rf "$MT" "$MT_ROOT"
+    mkdir -p "$MT" "$MT_ROOT"
+    # NVLink multicast off (NCCL NVLS, symmetric memory), as the gpu tests run.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    local parts=() p pids=() t0=$SECONDS
+    # MULTITIER_DRY=N: pretend N GPUs and only print each job's command (a check of the stage)
+    [[ -z ${MULTITIER_DRY:-} ]] || NGPU=$MULTITIER_DRY
+    read -r -a parts <<< "${MULTITIER_PARTS:-${MT_PARTS[*]}}"
+    for p in "${parts[@]}"; do
+        [[ " ${MT_PARTS[*]} " == *" $p "* ]] || { echo "multitier: no part $p (${MT_PARTS[*]})" >&2; status=1; continue; }
+        "mt_$p" &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    echo "multitier: every part done in $((SECONDS - t0)) s"
+    mt_py table --parts "${parts[@]}" --md "$OUT/multitier_table.md" "$MT"/rows_*.jsonl > "$MT/table.txt"
+    local rc=$?
+    tar czf "$OUT/multitier_logs.tgz" -C "$OUT" multitier multitier_table.md 2>/dev/null
+    cat "$MT/table.txt"
+    [[ $rc -eq 0 ]] || status=1
+}
+
 [[ $# -gt 0 ]] || set -- single
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|cp8b) "$what" ;;
-        *) echo "usage: $0 single|multi|ac|peer8b|cp8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|cp8b|multitier) "$what" ;;
+        *) echo "usage: $0 single|multi|multitier|ac|peer8b|cp8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
     esac
 done
 exit $status

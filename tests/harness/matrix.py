@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node=4 -m tests.harness.matrix --layout fsdp_tp --jsonl out.jsonl \
         -- model.dim=512 model.ffn_dim=1536                                          # GPU, TE
+    torchrun --nproc_per_node=4 -m tests.harness.matrix --layout tp --name tp+cp2 \
+        -- parallel.cp=2 model.dim=512 model.ffn_dim=1536                  # cp=2 x tp=2, GPU
     torchrun --nproc_per_node=4 -m tests.harness.matrix --layout hsdp --recipes bf16 \
         --modes sync async async_process -- model.impl=torch data.seq_len=64            # CPU
     python -m tests.harness.matrix --table a.jsonl b.jsonl                      # table only
@@ -80,11 +82,11 @@ def run_case(tmp: Path, recipe: str, qinit: bool, mode: str, args, rank: int) ->
         recipe, qinit, mode, args.steps, tmp, [f"parallel={args.layout}", *args.overrides]
     )
     row = dict(
-        layout=args.layout,
+        layout=args.name or args.layout,
         recipe=recipe,
         quantized_init=qinit,
         mode=mode,
-        case=f"{args.layout}/{name}",
+        case=f"{args.name or args.layout}/{name}",
     )
     # Every rank runs A and B; rank 0 copies between them (the others wait) and compares.
     return dict(
@@ -118,6 +120,9 @@ def format_rows(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", help="conf/parallel option for this job")
+    ap.add_argument(
+        "--name", default=None, help="the layout's name in the rows (default: --layout)"
+    )
     ap.add_argument("--layout-index", type=int, default=0, help="shifts the mode rotation")
     ap.add_argument("--recipes", nargs="+", default=sorted({v[0] for v in VARIANTS}))
     ap.add_argument("--modes", nargs="+", default=["sync", "async", "async_process"])
@@ -157,7 +162,9 @@ def main() -> int:
         dist.broadcast_object_list(box, src=0)  # one directory for all ranks
         tmp = Path(box[0])
         for recipe, qinit, mode in cases(args):
-            key = dict(layout=args.layout, recipe=recipe, quantized_init=qinit, mode=mode)
+            key = dict(
+                layout=args.name or args.layout, recipe=recipe, quantized_init=qinit, mode=mode
+            )
             try:
                 row = run_case(tmp, recipe, qinit, mode, args, rank)
             except ConfigError as e:  # a combination the config check refuses, by design

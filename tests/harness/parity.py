@@ -3,6 +3,8 @@
     torchrun --nproc_per_node=4 -m tests.harness.parity              # every layout that fits
     torchrun --nproc_per_node=2 -m tests.harness.parity --layouts fsdp,tp --recipes bf16
     torchrun --nproc_per_node=4 -m tests.harness.parity --json out.json
+    torchrun --nproc_per_node=4 -m tests.harness.parity --layouts fsdp+cp2,tp+cp2+docs,tp+docs
+    torchrun --nproc_per_node=2 -m tests.harness.parity --cpu --layouts fsdp+cp2+docs   # gloo
 
 (from the repository root; `-m` runs it as a module, which puts the root on sys.path).
 
@@ -12,6 +14,14 @@ for --steps AdamW steps on the same global batches as a single-GPU run, exactly 
 train.py does (meta device, parallelize, init_weights, recipe contexts, FusedAdam,
 clip_grad_norm), and compares the loss curves. The single-GPU reference runs on every rank,
 without a process group, on the same device.
+
+A layout may carry context parallelism and document masking: `NAME[+cpN][+docs]` (`fsdp+cp2`:
+parallel=fsdp with parallel.cp=2, dp_shard inferred; `tp+cp2+docs`: cp=2 x tp=2 on 4 GPUs with
+document masking). With `+docs` every row holds several documents (EOS tokens at fixed random
+places) and both the layout and the single-GPU reference attend per document (train.py's
+BatchLayout: the loader's boundaries, then this rank's context-parallel part); the logged loss
+is averaged over the dp x cp ranks as train.py logs it. `--cpu` runs the reference model
+(model.impl=torch, bf16 recipe) over gloo on the CPU: a check of these code paths, not of TE.
 
 All-gather check (--gather-recipes, fp8_cs and fp8_block by default): the model is built with
 quantized_init, weights quantized on their FSDP/TP shards (amax group from recipes), then FSDP2
@@ -41,16 +51,18 @@ import torch.distributed as dist
 
 import compat
 from config import OptimConfig, compose_config
+from data.documents import DocumentBoundaries
 from errors import ConfigError
 from model.config import ModelConfig
 from model.init import full_init_value
 from optim import build_optimizer
 from parallel import ParallelConfig, ParallelDims
+from parallel.cp import token_align
 from parallel.dims import LAYOUTS
 from parallel.indices import local_global_indices
 from recipes import build_recipe
 from recipes.config import RecipeConfig
-from steps import train_step  # noqa: E402
+from steps import BatchLayout, train_step  # noqa: E402
 from train import build_parallel_model
 
 #: Relative loss tolerance per recipe: every step's |loss - reference| / reference. Layouts
@@ -59,6 +71,23 @@ from train import build_parallel_model
 STEP1_RTOL = {"bf16": 5e-3, "fp8_cs": 1e-2, "fp8_block": 1e-2}
 CURVE_RTOL = {"bf16": 2e-2, "fp8_cs": 3e-2, "fp8_block": 3e-2}
 SEED = 1234
+#: With +docs: the document separator (the last token of the vocabulary) and how many of them
+#: each row holds.
+EOS_PER_ROW = 3
+
+
+def parse_layout(spec: str) -> tuple[str, int, bool]:
+    """'tp+cp2+docs' -> ('tp', 2, True): conf/parallel option, cp degree, document masking."""
+    name, *mods = spec.split("+")
+    cp, docs = 1, False
+    for m in mods:
+        if m == "docs":
+            docs = True
+        elif m.startswith("cp") and m[2:].isdigit() and int(m[2:]) >= 1:
+            cp = int(m[2:])
+        else:
+            raise ValueError(f"layout {spec!r}: {m!r} is neither cpN nor docs")
+    return name, cp, docs
 
 
 def model_cfg() -> ModelConfig:
@@ -84,13 +113,29 @@ def batches(cfg: ModelConfig, steps: int, global_batch: int, seq: int) -> torch.
     g = torch.Generator().manual_seed(SEED)
     start = torch.randint(0, cfg.vocab_size, (steps, global_batch, 1), generator=g)
     stride = torch.randint(1, 8, (steps, global_batch, 1), generator=g)
-    return (start + stride * torch.arange(seq + 1)) % cfg.vocab_size
+    return (start + stride * torch.arange(seq + 1)) % (cfg.vocab_size - 1)
+
+
+def with_documents(cfg: ModelConfig, data: torch.Tensor) -> torch.Tensor:
+    """`data` with EOS_PER_ROW document separators (token vocab_size - 1, which `batches`
+    never draws) at random places of every row: several documents per row."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    out = data.clone()
+    steps, rows, length = data.shape
+    where = torch.rand(steps, rows, length - 2, generator=g).argsort(-1)[..., :EOS_PER_ROW] + 1
+    out.scatter_(-1, where, cfg.vocab_size - 1)
+    return out
+
+
+def boundaries(cfg: ModelConfig) -> DocumentBoundaries:
+    return DocumentBoundaries(None, cfg.vocab_size - 1)
 
 
 def build(cfg, recipe, dims, device):
     """The model exactly as train.py builds it; dims None: the one-GPU reference (no mesh)."""
+    impl = "te" if device.type == "cuda" else "torch"
     return build_parallel_model(
-        cfg, "te", recipe, dims or ParallelDims(ParallelConfig(), 1), device, SEED
+        cfg, impl, recipe, dims or ParallelDims(ParallelConfig(), 1), device, SEED
     )
 
 
@@ -103,32 +148,51 @@ def recipe_config(spec: str) -> RecipeConfig:
     return RecipeConfig(name=name_of(spec), quantized_init=spec.endswith("+q"))
 
 
-def train_curve(cfg, spec, dims, device, data, lr) -> list[float]:
+def train_curve(cfg, spec, dims, device, data, lr, docs: bool = False) -> list[float]:
+    """Loss per step of `data`'s global batches; `docs`: attention per document. The rows go
+    through train.py's BatchLayout (document boundaries, this rank's context-parallel part)."""
     recipe = build_recipe(recipe_config(spec), cfg.n_layers)
     model, group = build(cfg, recipe, dims, device)
+    impl = "te" if device.type == "cuda" else "torch"
     opt = build_optimizer(
-        model, OptimConfig(lr=lr, weight_decay=0.1), "te", recipe.fused_adam_kwargs()
+        model, OptimConfig(lr=lr, weight_decay=0.1), impl, recipe.fused_adam_kwargs()
     )
     recipe.attach_optimizer(model, opt, group)
     dp_rank, dp_size = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
+    found = boundaries(cfg) if docs else None
+    if dims is not None and dims.cp > 1:
+        layout = BatchLayout(
+            found,
+            cp=dims.cp,
+            cp_rank=dims.cp_rank,
+            cp_group=dims.cp_group,
+            align=token_align(impl, dims.tp),
+        )
+    else:
+        layout = BatchLayout(found)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     per_rank = data.shape[1] // dp_size
     losses = []
     for step in range(data.shape[0]):
-        seq = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
+        inputs, labels, documents = layout(
+            data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        )
         logged, _ = train_step(
             model,
             opt,
-            seq[:, :-1],
-            seq[:, 1:],
+            inputs.to(device),
+            labels.to(device),
             grad_clip=1.0,
-            autocast=torch.autocast("cuda", dtype=torch.bfloat16),
+            autocast=autocast,
+            documents=documents,
         )
-        if dims is not None and dims.dp_group is not None:
-            dist.all_reduce(logged, group=dims.dp_group)
-            logged = logged / dims.dp_size
+        if dims is not None and dims.loss_group is not None:  # dp x cp, as train.py logs
+            dist.all_reduce(logged, group=dims.loss_group)
+            logged = logged / dims.loss_size
         losses.append(logged.item())
     del model, opt
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return losses
 
 
@@ -211,7 +275,11 @@ def fp8_allgather_check(cfg, dims, device, recipe_name) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="conf/parallel options")
+    ap.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help="conf/parallel options, each with optional +cpN (context parallel) and +docs",
+    )
     ap.add_argument(
         "--recipes", default="bf16,fp8_cs,fp8_block+q", help="curves to compare; +q: quantized_init"
     )
@@ -228,50 +296,73 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-sequence-parallel", action="store_true")
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="reference model over gloo on the CPU, bf16 only (a check of the harness)",
+    )
     args = ap.parse_args()
+    specs = [(s, *parse_layout(s)) for s in args.layouts.split(",")]
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        args.recipes, args.gather_recipes = "bf16", ""
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
     compat.apply_all()  # what train.py does before building a model
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_cfg()
     data = batches(cfg, args.steps, args.global_batch, args.seq_len)
+    doc_data = with_documents(cfg, data)
     recipes = args.recipes.split(",")
 
-    refs = {r: train_curve(cfg, r, None, device, data, args.lr) for r in recipes}
+    ref_docs = sorted({docs for *_, docs in specs})
+    refs = {
+        (r, docs): train_curve(cfg, r, None, device, doc_data if docs else data, args.lr, docs=docs)
+        for docs in ref_docs
+        for r in recipes
+    }
     results = {
         "world_size": world,
-        "gpu": torch.cuda.get_device_name(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "curves": [],
         "fp8_allgather": [],
-        "reference": refs,
+        "reference": {f"{r}{'+docs' if docs else ''}": v for (r, docs), v in refs.items()},
     }
-    for name in args.layouts.split(","):
+    for name, base, cp, docs in specs:
         pcfg = dataclasses.replace(
-            compose_config([f"parallel={name}"]).parallel,
+            compose_config([f"parallel={base}", f"parallel.cp={cp}"]).parallel,
             sequence_parallel=not args.no_sequence_parallel,
         )
         try:
             dims = ParallelDims(pcfg, world)
             dims.validate_model(cfg)
+            dims.validate_seq_len(args.seq_len)
         except ConfigError as e:
             results["curves"].append({"layout": name, "skipped": str(e)})
             continue
-        dims.build_mesh("cuda")
+        dims.build_mesh(device.type)
         degrees = f"{dims.dp_replicate}x{dims.dp_shard}x{dims.tp}"
+        degrees += f"xcp{dims.cp}" if dims.cp > 1 else ""
         for r in recipes:
             row = {"layout": name, "degrees": degrees, "recipe": r}
+            ref = refs[(r, docs)]
             t0 = time.time()
             try:
-                got = train_curve(cfg, r, dims, device, data, args.lr)
-                rel = [abs(a - b) / abs(b) for a, b in zip(got, refs[r])]
+                got = train_curve(
+                    cfg, r, dims, device, doc_data if docs else data, args.lr, docs=docs
+                )
+                rel = [abs(a - b) / abs(b) for a, b in zip(got, ref)]
                 row.update(
                     losses=got,
+                    reference=ref,
                     step1_rel=rel[0],
                     max_rel=max(rel),
-                    max_abs=max(abs(a - b) for a, b in zip(got, refs[r])),
+                    max_abs=max(abs(a - b) for a, b in zip(got, ref)),
                     ok=rel[0] <= STEP1_RTOL[name_of(r)] and max(rel) <= CURVE_RTOL[name_of(r)],
                 )
             except Exception:
@@ -280,7 +371,8 @@ def main() -> int:
                     traceback.print_exc()
             row["seconds"] = round(time.time() - t0, 1)
             results["curves"].append(row)
-        for r in filter(None, args.gather_recipes.split(",")):
+        # The all-gather check is a property of the weights' sharding: base layouts only.
+        for r in filter(None, args.gather_recipes.split(",")) if (cp, docs) == (1, False) else ():
             where = {"layout": name, "degrees": degrees, "recipe": r}
             try:
                 for row in fp8_allgather_check(cfg, dims, device, r):
@@ -305,20 +397,20 @@ def main() -> int:
             f"curve {CURVE_RTOL} (relative)"
         )
         print(
-            f"{'layout':9} {'rxsxt':7} {'recipe':11} {'ref loss 1->N':>17} {'loss 1->N':>17} "
+            f"{'layout':13} {'rxsxt':11} {'recipe':11} {'ref loss 1->N':>17} {'loss 1->N':>17} "
             f"{'step1 rel':>9} {'max rel':>9} {'max abs':>9}  status"
         )
         for r in results["curves"]:
             if "skipped" in r:
-                print(f"{r['layout']:9} skipped: {r['skipped']}")
+                print(f"{r['layout']:13} skipped: {r['skipped']}")
                 continue
-            ref = refs[r["recipe"]]
             if "error" in r:
-                print(f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} ERROR {r['error']}")
+                print(f"{r['layout']:13} {r['degrees']:11} {r['recipe']:11} ERROR {r['error']}")
                 continue
             print(
-                f"{r['layout']:9} {r['degrees']:7} {r['recipe']:11} "
-                f"{ref[0]:8.4f}->{ref[-1]:7.4f} {r['losses'][0]:8.4f}->{r['losses'][-1]:7.4f} "
+                f"{r['layout']:13} {r['degrees']:11} {r['recipe']:11} "
+                f"{r['reference'][0]:8.4f}->{r['reference'][-1]:7.4f} "
+                f"{r['losses'][0]:8.4f}->{r['losses'][-1]:7.4f} "
                 f"{r['step1_rel']:9.2e} {r['max_rel']:9.2e} {r['max_abs']:9.2e}  "
                 f"{'ok' if r['ok'] else 'FAIL'}"
             )
