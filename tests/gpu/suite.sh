@@ -36,8 +36,9 @@
 #                                         # ($OUT/multitier_table.md, logs in $OUT/multitier_logs.tgz). A part
 #                                         # that needs more GPUs is "not run"; exit 1 on any failed or not-run row
 #                                         # (MULTITIER_ALLOW_NOT_RUN=1: only failures). MULTITIER_PARTS="parity
-#                                         # kill9" for a subset, MULTITIER_TIMEOUT=420 s per job; MULTITIER_DRY=4
-#                                         # prints the commands of 4 GPUs instead of running them
+#                                         # kill9" for a subset, MULTITIER_TIMEOUT=420 s per job, MULTITIER_WAVES
+#                                         # the parts run together ("tests,ac,parity,reshard,kill9 matrix": two
+#                                         # waves); MULTITIER_DRY=4 prints the commands of 4 GPUs instead
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
@@ -619,11 +620,23 @@ multitier() {
     [[ -z ${MULTITIER_DRY:-} ]] || NGPU=$MULTITIER_DRY
     read -r -a parts <<< "${MULTITIER_PARTS:-${MT_PARTS[*]}}"
     for p in "${parts[@]}"; do
-        [[ " ${MT_PARTS[*]} " == *" $p "* ]] || { echo "multitier: no part $p (${MT_PARTS[*]})" >&2; status=1; continue; }
-        "mt_$p" &
-        pids+=($!)
+        [[ " ${MT_PARTS[*]} " == *" $p "* ]] || { echo "multitier: no part $p (${MT_PARTS[*]})" >&2; status=1; }
     done
-    for p in "${pids[@]}"; do wait "$p"; done
+    # Waves: the parts of one wave run side by side, the waves one after another. All of them
+    # at once (about 90 processes) ran 80 GiB H100s out of memory ("Failed to CUDA calloc"
+    # inside NCCL); the resume matrix (32 processes) runs alone.
+    local wave waves=()
+    read -r -a waves <<< "${MULTITIER_WAVES:-tests,ac,parity,reshard,kill9 matrix}"
+    for wave in "${waves[@]}"; do
+        pids=()
+        for p in "${parts[@]}"; do
+            [[ ",$wave," == *",$p,"* ]] || continue
+            "mt_$p" &
+            pids+=($!)
+        done
+        for p in "${pids[@]}"; do wait "$p"; done
+        echo "multitier: wave $wave done at $((SECONDS - t0)) s"
+    done
     echo "multitier: every part done in $((SECONDS - t0)) s"
     mt_py table --parts "${parts[@]}" --md "$OUT/multitier_table.md" "$MT"/rows_*.jsonl > "$MT/table.txt"
     local rc=$?
