@@ -8,8 +8,11 @@
     ...  ckpt.maybe_save(step, state) ...
     ckpt.finish(step, state)
 
-Files: manager.py (policy: when, how, where, resume, busy writers, non-finite losses),
-state.py (what is saved), staging.py (CPU staging buffers for async saves), writer.py (the DCP
+Files: manager.py (CheckpointManager: the facade train.py calls; the policy in its
+docstring; non-finite losses), resume.py (Resumer: find, plan, decide, load, verify, the
+resumed-loss watch), save.py (Saver: when, stage, write, saves in flight; Committer: commit,
+prune, a failed save's error; SaveRecords: timings), context.py (what both sides share: settings,
+log, gloo groups), state.py (what is saved), staging.py (CPU staging buffers for async saves), writer.py (the DCP
 storage writer: parallel files hashed while written), writer_process.py (async_process's
 writer process), hashing.py (xxh3-64 / CRC32), store.py (directories, manifest, verification,
 commit, prune), preflight.py (run directory checks before the model is built), runlock.py
