@@ -7,12 +7,13 @@ saves in flight, committing, pruning, and the numbers of every save.
     saver.maybe_save(step, state)          # every step
     saver.finish(step, state); saver.close()
 
-Three classes, each one job (checkpoint/manager.py's docstring tells the modes and the
+Four classes, each one job (checkpoint/manager.py's docstring tells the modes and the
 policy):
 - `Saver`: the policy and the pipeline: maybe_save/save, the staging buffers (`_stager`,
   checkpoint/staging.py), the writers (`_write_here`, `_write` on the `ckpt-write` thread,
-  checkpoint/writer_process.py's process), the saves in flight (`_pending`: settled in order,
-  failures raised on every rank at the same step), close.
+  checkpoint/writer_process.py's process), close.
+- `InFlight`: the async saves handed to the writer thread, settled in order (failures raised
+  on every rank at the same step).
 - `Committer`: what becomes of a written save: rank 0's commit (manifest, rename), the
   pruning of old checkpoints on a thread of its own (held while a resumed segment is
   judged), and the one-line error of a failed save.
@@ -210,6 +211,94 @@ class Committer:
         return RuntimeError(f"checkpoint save of step {step} failed: {first_line(e)}")
 
 
+class InFlight:
+    """The async saves handed to the writer thread, oldest first. Each is settled in order:
+    its numbers recorded, or its failure raised (after the saves queued behind it ended, on
+    every rank alike). A save stays listed while it is waited for (stopped_line)."""
+
+    def __init__(self, ctx: Context, records: SaveRecords, committer: Committer):
+        self.ctx = ctx
+        self.records = records
+        self.committer = committer
+        self.pending: deque[_Pending] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, pending: _Pending) -> None:
+        self.pending.append(pending)
+
+    def busy(self) -> int:
+        """How many are still being written (each holds its staging buffer)."""
+        return sum(1 for p in self.pending if not p.future.done())
+
+    def busy_buffers(self) -> set[int]:
+        return {p.buffer for p in self.pending if not p.future.done()}
+
+    def running_steps(self) -> set[int]:
+        return {p.step for p in self.pending if not p.future.done()}
+
+    def failed(self) -> bool:
+        """Whether a listed save has failed (not raised yet)."""
+        return any(p.future.done() and p.future.exception() for p in self.pending)
+
+    def settle(self, pending: _Pending) -> None:
+        try:
+            out = pending.future.result()
+        except ERRORS as e:
+            # The run stops: let the saves queued behind this one end first (on every rank, so
+            # no rank's writer is left inside a collective); their outcome is not raised.
+            while self.pending:
+                self.pending.popleft().future.exception()
+            raise self.committer.failure(
+                pending.step,
+                self.ctx.root / (store.step_name(pending.step) + store.TMP_SUFFIX),
+                e,
+                pending.bytes,
+            ) from None
+        end = pending.end[0] if pending.end else time.perf_counter()
+        self.records.record(
+            pending.step,
+            blocking_s=pending.blocking_s,
+            total_s=end - pending.start,
+            wait_prev_s=pending.wait_s,
+            **pending.staging,
+            queue_s=max(0.0, out["write_start"] - (pending.start + pending.blocking_s)),
+            **({"start_wait_s": out["start_wait_s"]} if "start_wait_s" in out else {}),
+            write_s=out["write_s"],
+            **({"commit_s": out["commit_s"]} if "commit_s" in out else {}),
+            bytes=pending.bytes,
+            checkpoint_bytes=out.get("checkpoint_bytes", 0),
+            **out["times"],
+        )
+
+    def poll(self) -> None:
+        """Settle the saves that finished, in order, up to the first failed one: failures are
+        raised where every rank raises them at the same step (Saver._agree, blocking waits)."""
+        while self.pending and self.pending[0].future.done():
+            if self.pending[0].future.exception() is not None:
+                return
+            self.settle(self.pending.popleft())
+
+    def wait_while(self, full: Callable[[], bool]) -> float:
+        """Settle the oldest saves while `full()` (no free staging buffer), then poll; the
+        seconds waited."""
+        t0 = time.perf_counter()
+        while self.pending and full():
+            self.settle(self.pending[0])  # listed while waited for (stopped_line)
+            self.pending.popleft()
+        self.poll()
+        return time.perf_counter() - t0
+
+    def wait_all(self) -> float:
+        """Wait for every save listed (settled in order; a failure raised)."""
+        t0 = time.perf_counter()
+        while self.pending:
+            self.settle(self.pending[0])  # listed while waited for (stopped_line)
+            self.pending.popleft()
+        return time.perf_counter() - t0
+
+
 class Saver:
     """When and how each save is taken, and the saves in flight. `check_finite(step)`: the
     manager's loss check, run before every save (it stops the run, closing the manager, when
@@ -224,7 +313,7 @@ class Saver:
         )
         self.records = SaveRecords(ctx)
         self.committer = Committer(ctx, self._algorithm)
-        self._pending: deque[_Pending] = deque()
+        self.in_flight = InFlight(ctx, self.records, self.committer)
         self._deferred: int | None = None
         self.last_saved_step: int | None = None
         self._saves = 0
@@ -283,11 +372,11 @@ class Saver:
         """CheckpointManager.maybe_save: at the interval, forced, or a deferred save due."""
         cfg = self.ctx.cfg
         if not self.ctx.saving or step == self.last_saved_step:
-            self._poll()
+            self.in_flight.poll()
             return None
         due = force or (cfg.interval > 0 and step % cfg.interval == 0)
         if not due and self._deferred is None:
-            self._poll()
+            self.in_flight.poll()
             if self._stager is not None and self._sync_staging(state):
                 self._stager.prepare(state)  # once: buffers ready before the first save
             return None
@@ -301,7 +390,7 @@ class Saver:
                 )
                 self._deferred = None
             return self.save(step, state)
-        busy = ", ".join(str(p.step) for p in self._pending)
+        busy = ", ".join(str(p.step) for p in self.in_flight.pending)
         if cfg.when_busy == "skip":
             self.records.note(
                 f"step {step}: save skipped, the writer is busy with step(s) {busy} "
@@ -321,8 +410,8 @@ class Saver:
         """Whether every rank has a free staging buffer (a collective on `ctl`). When a save
         failed on any rank, every rank waits for its own saves and raises the failure here,
         at the same step (a failed DCP save fails on every rank)."""
-        self._poll()
-        failed = any(p.future.done() and p.future.exception() for p in self._pending)
+        self.in_flight.poll()
+        failed = self.in_flight.failed()
         free, all_ok = self.ctx.minimum([self._free_buffers(), int(not failed)])
         if not all_ok:
             self.wait_all()
@@ -333,11 +422,10 @@ class Saver:
         return n or self.ctx.cfg.staging_buffers
 
     def _free_buffers(self) -> int:
-        busy = sum(1 for p in self._pending if not p.future.done())
-        return max(0, self._buffer_count() - busy)
+        return max(0, self._buffer_count() - self.in_flight.busy())
 
     def _free_index(self) -> int:
-        busy = {p.buffer for p in self._pending if not p.future.done()}
+        busy = self.in_flight.busy_buffers()
         return next(i for i in range(self._buffer_count()) if i not in busy)
 
     def _buffers_allocated(self, buffers: list[torch.Tensor]) -> None:
@@ -399,7 +487,7 @@ class Saver:
             self._agree()  # raises an earlier failure on every rank alike
         drain = _drain_device()  # the steps already queued on the device
         self._check_finite(step)
-        waited = self._wait_for_buffer()
+        waited = self.in_flight.wait_while(lambda: self._free_buffers() == 0)
         tmp = self.ctx.root / (store.step_name(step) + store.TMP_SUFFIX)
         if self.ctx.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -495,7 +583,7 @@ class Saver:
             staged.buffer,
         )
         future.add_done_callback(lambda _: pending.end.append(time.perf_counter()))
-        self._pending.append(pending)
+        self.in_flight.add(pending)
         return blocking
 
     def _write_here(self, state: Mapping[str, Any], tmp: Path, save_id: str) -> dict[str, Any]:
@@ -547,64 +635,11 @@ class Saver:
             out["commit_s"] = time.perf_counter() - t_commit
         return out
 
-    # -- the saves in flight --------------------------------------------------------------------
-
-    def _settle(self, pending: _Pending) -> None:
-        try:
-            out = pending.future.result()
-        except ERRORS as e:
-            # The run stops: let the saves queued behind this one end first (on every rank, so
-            # no rank's writer is left inside a collective); their outcome is not raised.
-            while self._pending:
-                self._pending.popleft().future.exception()
-            raise self.committer.failure(
-                pending.step,
-                self.ctx.root / (store.step_name(pending.step) + store.TMP_SUFFIX),
-                e,
-                pending.bytes,
-            ) from None
-        end = pending.end[0] if pending.end else time.perf_counter()
-        self.records.record(
-            pending.step,
-            blocking_s=pending.blocking_s,
-            total_s=end - pending.start,
-            wait_prev_s=pending.wait_s,
-            **pending.staging,
-            queue_s=max(0.0, out["write_start"] - (pending.start + pending.blocking_s)),
-            **({"start_wait_s": out["start_wait_s"]} if "start_wait_s" in out else {}),
-            write_s=out["write_s"],
-            **({"commit_s": out["commit_s"]} if "commit_s" in out else {}),
-            bytes=pending.bytes,
-            checkpoint_bytes=out.get("checkpoint_bytes", 0),
-            **out["times"],
-        )
-
-    def _poll(self) -> None:
-        """Settle the saves that finished, in order, up to the first failed one: failures are
-        raised where every rank raises them at the same step (`_agree`, blocking waits)."""
-        while self._pending and self._pending[0].future.done():
-            if self._pending[0].future.exception() is not None:
-                return
-            self._settle(self._pending.popleft())
-
-    def _wait_for_buffer(self) -> float:
-        """Block until this rank has a free staging buffer (settling saves in order)."""
-        t0 = time.perf_counter()
-        while self._pending and self._free_buffers() == 0:
-            self._settle(self._pending[0])  # listed while waited for (stopped_line)
-            self._pending.popleft()
-        self._poll()
-        return time.perf_counter() - t0
+    # -- end ------------------------------------------------------------------------------------
 
     def wait_all(self) -> float:
         """Wait for every save in flight (settled in order; a failure raised)."""
-        t0 = time.perf_counter()
-        while self._pending:
-            self._settle(self._pending[0])  # listed while waited for (stopped_line)
-            self._pending.popleft()
-        return time.perf_counter() - t0
-
-    # -- end ------------------------------------------------------------------------------------
+        return self.in_flight.wait_all()
 
     def finish(self, step: int, state: Mapping[str, Any], save: bool = True) -> None:
         """The final save (checkpoint.save_at_end, unless `save=False` or it was just saved),
@@ -617,35 +652,15 @@ class Saver:
 
     def stats(self) -> dict[str, float]:
         """CheckpointManager.stats: the newest save completed since the last call."""
-        self._poll()
+        self.in_flight.poll()
         return self.records.take_newest()
 
     def stopped_line(self, step: int) -> str:
         """CheckpointManager.stopped_line: what a run stopped at once after `step` leaves."""
-        root = self.ctx.root
-        newest = store.newest_step(root)
-        in_flight = sorted(
-            {p.step for p in self._pending if not p.future.done()}
-            | ({self._saving_here} if self._saving_here is not None else set())
-        )
-        if newest is None:
-            line = f"stopped at once after step {step}; no checkpoint committed in {root}"
-            if step:
-                line += f"; steps 1-{step} not saved"
-        elif newest.step >= step:
-            line = f"stopped at once after step {step}; checkpoint {newest.path} committed"
-        else:
-            lost = f"{newest.step + 1}-{step}" if step > newest.step + 1 else str(step)
-            line = (
-                f"stopped at once after step {step}; checkpoint {newest.path} committed; "
-                f"step{'s' if '-' in lost else ''} {lost} not saved"
-            )
-        if in_flight:
-            steps = ", ".join(map(str, in_flight))
-            line += f" (the save of step {steps} in flight was abandoned)"
-        if newest is not None:
-            line += "; run the same command to resume from it"
-        return line
+        in_flight = self.in_flight.running_steps()
+        if self._saving_here is not None:
+            in_flight.add(self._saving_here)
+        return stopped_line(self.ctx.root, step, sorted(in_flight))
 
     def abandon(self) -> None:
         """Stop the writer process without waiting for any save (a second Ctrl-C)."""
@@ -655,7 +670,7 @@ class Saver:
     def close(self) -> None:
         """Wait for saves in flight, then stop the writers and free the buffers."""
         try:
-            if self._pending:
+            if self.in_flight:
                 self.wait_all()
         finally:
             if self._executor is not None:
@@ -665,6 +680,30 @@ class Saver:
                 self._writer.close()
             if self._stager is not None:
                 self._stager.close()
+
+
+def stopped_line(root: Path, step: int, in_flight: list[int]) -> str:
+    """The line of a run stopped at once after `step` (rank 0 reads `root`): the newest
+    committed checkpoint, the steps not saved, the saves `in_flight` that are abandoned."""
+    newest = store.newest_step(root)
+    if newest is None:
+        line = f"stopped at once after step {step}; no checkpoint committed in {root}"
+        if step:
+            line += f"; steps 1-{step} not saved"
+    elif newest.step >= step:
+        line = f"stopped at once after step {step}; checkpoint {newest.path} committed"
+    else:
+        lost = f"{newest.step + 1}-{step}" if step > newest.step + 1 else str(step)
+        line = (
+            f"stopped at once after step {step}; checkpoint {newest.path} committed; "
+            f"step{'s' if '-' in lost else ''} {lost} not saved"
+        )
+    if in_flight:
+        steps = ", ".join(map(str, in_flight))
+        line += f" (the save of step {steps} in flight was abandoned)"
+    if newest is not None:
+        line += "; run the same command to resume from it"
+    return line
 
 
 def _drain_device() -> float:

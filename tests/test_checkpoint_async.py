@@ -232,7 +232,7 @@ def _release_after(run: Run, slow: _SlowWriter, at: int):
     def on_step(step):
         if step >= at:
             slow.release.set()
-            for p in list(run.ckpt.saver._pending):
+            for p in list(run.ckpt.saver.in_flight.pending):
                 p.future.exception(timeout=120)
 
     return on_step
