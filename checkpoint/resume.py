@@ -411,6 +411,7 @@ class Resumer:
         """CheckpointManager.resume: load what `plan_resume` decided (planning first if it
         was not called), check it, and move a newer timeline aside."""
         ctx = self.ctx
+        self.loaded = None
         if self._planned is None:
             train = find(state, TrainState)
             self.plan_resume(train.config_yaml if train is not None else None)
