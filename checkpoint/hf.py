@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from checkpoint import store
-from checkpoint.manager import resumes
+from checkpoint.resume import resumes
 from errors import ConfigError
 from model.config import ModelConfig
 from model.hf import (
@@ -469,7 +469,7 @@ def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
 
     With model.init_from set, its config.json gives the shape (model=hf) or must agree with
     the model config (model/hf.py `model_config_for_hf`). Resume wins: when the run will load a
-    checkpoint (`checkpoint.manager.resumes`: checkpoint.resume is a path, or auto and the
+    checkpoint (checkpoint/resume.py's `resumes`: checkpoint.resume is a path, or auto and the
     run's checkpoint directory holds a complete one) the HF weights are neither fetched nor
     loaded, only config.json is read; init_from is used when the run starts at step 0. Rank 0
     decides and fetches first; the others wait for it (`from_rank0`)."""

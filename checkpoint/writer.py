@@ -16,7 +16,7 @@ DCP readers and tools load the result. What changes:
   of torch.save's zip writer, and its data goes out with others' in one os.writev of up to
   256 MiB (small writes are copied and gathered). Each call that releases the GIL has to take
   it back from the training thread in `async` mode, which can take a switch interval
-  (checkpoint/manager.py shortens it while such a write runs);
+  (checkpoint/save.py shortens it while such a write runs);
 - short writes are retried, and the first OSError (e.g. ENOSPC) is kept and raised as is once
   torch.save returns (later writes of that file are dropped so torch's zip writer can finish
   its bookkeeping instead of reporting "unexpected pos");

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import checkpoint.manager as manager_module
+import checkpoint.save as save_module
 from checkpoint import hashing, store
 from runtime import launch
 from tests.ckpt_harness import Run, committed
@@ -46,7 +47,7 @@ def test_staging_buffers_allocated_before_the_first_save_and_reused(tmp_path, st
     ptrs = {}
 
     def on_step(step):
-        stager = run.ckpt._stager
+        stager = run.ckpt.saver._stager
         if step == 1:  # planned and allocated in the background at the first step
             stager._alloc.result(timeout=60) if stager._alloc is not None else None
             assert len(stager.buffers) == buffers
@@ -80,7 +81,7 @@ def test_async_stages_in_shared_memory_when_dev_shm_has_room(tmp_path, monkeypat
 
     def on_step(step):
         if step == 3:  # the buffers are freed when the run finishes
-            stager = run.ckpt._stager
+            stager = run.ckpt.saver._stager
             seen.append(stager.in_shared)
             seen.extend(b.untyped_storage().is_shared() for b in stager.buffers)
 
@@ -140,7 +141,7 @@ def _placement_worker(rank, world_size, case, root):
     try:
         ckpt.maybe_save(1, state)  # plans and places the buffers (allocated in the background)
         ckpt.maybe_save(2, state)
-        placed = [b.untyped_storage().is_shared() for b in ckpt._stager.buffers]
+        placed = [b.untyped_storage().is_shared() for b in ckpt.saver._stager.buffers]
         ckpt.finish(2, state, save=False)
     except ConfigError as e:
         error, placed = str(e), None
@@ -214,14 +215,14 @@ class _SlowWriter:
 
     def __init__(self, monkeypatch, step: int):
         self.release = threading.Event()
-        original = manager_module.write_checkpoint
+        original = save_module.write_checkpoint
 
         def write(sd, path, **kw):
             if store.step_name(step) in str(path):
                 assert self.release.wait(120), "never released"
             return original(sd, path, **kw)
 
-        monkeypatch.setattr(manager_module, "write_checkpoint", write)
+        monkeypatch.setattr(save_module, "write_checkpoint", write)
 
 
 def _release_after(run: Run, slow: _SlowWriter, at: int):
@@ -231,7 +232,7 @@ def _release_after(run: Run, slow: _SlowWriter, at: int):
     def on_step(step):
         if step >= at:
             slow.release.set()
-            for p in list(run.ckpt._pending):
+            for p in list(run.ckpt.saver.in_flight.pending):
                 p.future.exception(timeout=120)
 
     return on_step
@@ -294,7 +295,7 @@ def test_final_save_waits_for_a_busy_writer(tmp_path, monkeypatch):
 
 def test_async_process_single_process_starts_its_writer_up_front(tmp_path, straight):
     run = Run(tmp_path, mode="async_process", interval=3)
-    writer = run.ckpt._writer
+    writer = run.ckpt.saver._writer
     assert writer._proc.is_alive()  # started by the constructor, before any save
     assert writer.wait_ready(120)
     start, first = run.train(6)
@@ -495,7 +496,7 @@ def test_async_writes_run_with_a_short_gil_switch_interval(tmp_path, monkeypatch
     monkeypatch.setattr(writer, "_os_writev", writev)
     Run(tmp_path, mode=mode, interval=2).train(4)
     assert seen
-    expected = manager_module._WRITE_SWITCH_INTERVAL_S if mode == "async" else default
+    expected = save_module._WRITE_SWITCH_INTERVAL_S if mode == "async" else default
     assert seen == pytest.approx([expected] * len(seen))
     assert sys.getswitchinterval() == default
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-import checkpoint.manager as manager_mod
+import checkpoint.resume as resume_mod
 from checkpoint import hashing, store
 from checkpoint.reader import CheckpointReader, _ItemTensors
 from errors import ConfigError
@@ -35,7 +35,7 @@ class _Recording(CheckpointReader):
 @pytest.fixture
 def readers(monkeypatch):
     _Recording.made = []
-    monkeypatch.setattr(manager_mod, "CheckpointReader", _Recording)
+    monkeypatch.setattr(resume_mod, "CheckpointReader", _Recording)
     return _Recording.made
 
 
@@ -190,7 +190,7 @@ def test_damage_anywhere_is_refused_with_the_one_line(tmp_path, where):
 def _two_ranks(rank, world_size, tmp):
     import torch.distributed as dist
 
-    import checkpoint.manager as m
+    import checkpoint.resume as m
 
     made = []
 

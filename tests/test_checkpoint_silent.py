@@ -194,7 +194,7 @@ def test_async_process_saves_while_the_writer_starts_are_taken_at_their_step(tmp
         seen[step] = committed(root)  # right after maybe_save: what a kill would leave
         if step == 4:
             started.set()
-            assert run.ckpt._writer.wait_ready(120)  # the child is up now (no save in it)
+            assert run.ckpt.saver._writer.wait_ready(120)  # the child is up now (no save in it)
 
     run = Run(tmp_path, mode="async_process", interval=2)
     run.train(8, on_step=on_step)
@@ -238,7 +238,7 @@ run_dir = Path(sys.argv[1])
 lock = RunLock.acquire(run_dir)
 run = Run(run_dir, mode="async", interval=2)
 run.ckpt._lock = lock  # as train.py hands it over
-pool = run.ckpt._executor
+pool = run.ckpt.saver._executor
 real_submit, real_start = pool.submit, threading.Thread.start
 
 def submit(*args, **kwargs):  # Ctrl-C inside the first save's submit, once it queued the write

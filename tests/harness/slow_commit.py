@@ -23,7 +23,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 sys.path[0] = str(TRAIN.parent)  # as if train.py had been started itself
 
 import runtime  # noqa: E402
-from checkpoint.manager import CheckpointManager  # noqa: E402
+from checkpoint.save import Committer  # noqa: E402
 
 #: Set by the first SIGINT this process's StopSignal handles.
 _INTERRUPTED = threading.Event()
@@ -31,7 +31,7 @@ _INTERRUPTED = threading.Event()
 
 def main() -> None:
     delay = float(os.environ.get("SLOW_COMMIT_S", "60"))
-    handle, commit = runtime.StopSignal._handle, CheckpointManager._commit
+    handle, commit = runtime.StopSignal._handle, Committer.commit
 
     def noting_handle(self, signum, frame):
         if signum == signal.SIGINT:
@@ -44,7 +44,7 @@ def main() -> None:
         return commit(self, *args, **kwargs)
 
     runtime.StopSignal._handle = noting_handle
-    CheckpointManager._commit = slow_commit
+    Committer.commit = slow_commit
     sys.argv[0] = str(TRAIN)
     runpy.run_path(str(TRAIN), run_name="__main__")
 
