@@ -9,7 +9,6 @@ than one field are checked once, in `validate`, before any expensive work
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from checkpoint.config import MODES as CHECKPOINT_MODES
 from checkpoint.config import CheckpointConfig
 from checkpoint.health import POLICIES as LOSS_CHECKS
 from data.config import DataConfig
-from errors import ConfigError
+from errors import ConfigError, one_of, require
 from model.config import ModelConfig
 from parallel.config import ParallelConfig
 from recipes.config import RecipeConfig
@@ -34,6 +33,16 @@ class RunConfig:
     name: str = "${model.name}-${recipe.name}-${parallel.name}"
     #: Folder that holds the run directories (relative to the current directory).
     root: str = "runs"
+
+    def validate(self) -> None:
+        require(
+            "/" not in self.name and self.name.strip() != "",
+            f"run.name={self.name!r} must be a non-empty name without '/'",
+        )
+
+
+#: train.device values.
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -77,6 +86,37 @@ class TrainConfig:
     #: rank at its own moment delays all ranks at the next collective). 0: Python's default.
     gc_every: int = 0
 
+    def validate(self) -> None:
+        """The train fields on their own (train.dry_run against train.eval_only: with the
+        command's checks, `_check_command`)."""
+        one_of(self.device, DEVICES, "train.device")
+        require(self.steps > 0, f"train.steps={self.steps} must be > 0")
+        require(
+            self.global_batch_size > 0,
+            f"train.global_batch_size={self.global_batch_size} must be > 0",
+        )
+        require(
+            self.micro_batch_size is None or self.micro_batch_size > 0,
+            f"train.micro_batch_size={self.micro_batch_size} must be > 0 (or null)",
+        )
+        require(self.log_every > 0, f"train.log_every={self.log_every} must be > 0")
+        require(
+            self.gc_every >= 0,
+            f"train.gc_every={self.gc_every} must be >= 0 (N: collect garbage after every N-th "
+            "step; 0: Python's automatic collection)",
+        )
+        require(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"train.peak_tflops={self.peak_tflops} must be > 0 (one device's peak dense bf16 "
+            "TFLOP/s, for MFU), or null to look it up by GPU name",
+        )
+        steps = sorted(self.profile_steps)
+        require(
+            not steps or (steps[0] >= 1 and steps == list(range(steps[0], steps[-1] + 1))),
+            f"train.profile_steps={list(self.profile_steps)} must be consecutive steps >= 1, "
+            "e.g. [10,11,12]",
+        )
+
 
 @dataclass
 class OptimConfig:
@@ -103,6 +143,24 @@ class OptimConfig:
     #: without changing its schedule (docs/RUNS.md).
     schedule_steps: int | None = None
 
+    def validate(self) -> None:
+        require(self.name == "adamw", f"optim.name={self.name!r} is not supported; use adamw")
+        require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        require(
+            0 <= self.min_lr_ratio <= 1,
+            f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
+        )
+        require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
+        require(self.eps > 0, f"optim.eps={self.eps} must be > 0")
+        require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
+        require(
+            self.schedule_steps is None or self.schedule_steps >= 2,
+            f"optim.schedule_steps={self.schedule_steps} must be >= 2 (a warmup + cosine "
+            "schedule of one step is no schedule), or null: train.steps",
+        )
+
 
 @dataclass
 class EvalConfig:
@@ -112,6 +170,10 @@ class EvalConfig:
     #: Held-out global batches (train.global_batch_size sequences each) per evaluation: the
     #: same batches every time, whatever the training position.
     batches: int = 4
+
+    def validate(self) -> None:
+        require(self.every >= 0, f"eval.every={self.every} must be >= 0 (0: no evaluation)")
+        require(self.batches >= 1, f"eval.batches={self.batches} must be >= 1")
 
 
 @dataclass
@@ -126,6 +188,15 @@ class ResumeConfig:
     #: When all 3 are above it: stop (one line naming the checkpoint resumed from and the older
     #: one kept), continue (say so and go on, keeping them), or off (no check).
     loss_check: str = "stop"
+
+    def validate(self) -> None:
+        """resume.loss_check (resume.accept is checked against the whole schema:
+        `check_accept`)."""
+        one_of(self.loss_check, LOSS_CHECKS, "resume.loss_check")
+
+
+WANDB_MODES = ("disabled", "offline", "online")
+WANDB_RESUME = ("auto", "rewind", "hold")
 
 
 @dataclass
@@ -147,11 +218,24 @@ class WandbConfig:
     #: has resume_from, else hold).
     resume: str = "auto"
 
+    def validate(self) -> None:
+        one_of(self.mode, WANDB_MODES, "logger.wandb.mode")
+        one_of(self.resume, WANDB_RESUME, "logger.wandb.resume")
+        require(
+            self.resume != "rewind" or self.mode == "online",
+            f"logger.wandb.resume=rewind needs logger.wandb.mode=online (mode is "
+            f"{self.mode}; offline runs cannot be rewound); use logger.wandb.resume=hold "
+            "or auto",
+        )
+
 
 @dataclass
 class LoggerConfig:
     #: Weights & Biases logging (stdout and <run_dir>/metrics.jsonl are always written).
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self) -> None:
+        self.wandb.validate()
 
 
 @dataclass
@@ -192,232 +276,90 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
         return OmegaConf.to_object(compose("config", overrides=list(overrides)))
 
 
-IMPLS = ("auto", "te", "torch")
-DEVICES = ("auto", "cpu", "cuda")
-WANDB_MODES = ("disabled", "offline", "online")
-WANDB_RESUME = ("auto", "rewind", "hold")
-DATA_SOURCES = ("embedded", "hf", "synthetic")
-DOC_LEN_DISTRIBUTIONS = ("fixed", "exponential", "lognormal", "whole_rows")
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
-def _one_of(value: Any, allowed: tuple, field_name: str) -> None:
-    _require(value in allowed, f"{field_name}={value!r} is not one of {', '.join(allowed)}")
-
-
 def validate(cfg: Config) -> None:
-    """Single-config rules (no environment needed). Raises ConfigError."""
-    t, o, m, d = cfg.train, cfg.optim, cfg.model, cfg.data
-    _require(
-        "/" not in cfg.run.name and cfg.run.name.strip() != "",
-        f"run.name={cfg.run.name!r} must be a non-empty name without '/'",
-    )
-    _one_of(t.device, DEVICES, "train.device")
-    _require(t.steps > 0, f"train.steps={t.steps} must be > 0")
-    _require(t.global_batch_size > 0, f"train.global_batch_size={t.global_batch_size} must be > 0")
-    _require(
-        t.micro_batch_size is None or t.micro_batch_size > 0,
-        f"train.micro_batch_size={t.micro_batch_size} must be > 0 (or null)",
-    )
-    _require(t.log_every > 0, f"train.log_every={t.log_every} must be > 0")
-    _require(
-        t.gc_every >= 0,
-        f"train.gc_every={t.gc_every} must be >= 0 (N: collect garbage after every N-th step; "
-        "0: Python's automatic collection)",
-    )
-    _require(
-        t.peak_tflops is None or t.peak_tflops > 0,
-        f"train.peak_tflops={t.peak_tflops} must be > 0 (one device's peak dense bf16 TFLOP/s, "
-        "for MFU), or null to look it up by GPU name",
-    )
-    steps = sorted(t.profile_steps)
-    _require(
-        not steps or (steps[0] >= 1 and steps == list(range(steps[0], steps[-1] + 1))),
-        f"train.profile_steps={list(t.profile_steps)} must be consecutive steps >= 1, "
-        "e.g. [10,11,12]",
-    )
-    _require(o.name == "adamw", f"optim.name={o.name!r} is not supported; use adamw")
-    _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
-    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
-    _require(o.eps > 0, f"optim.eps={o.eps} must be > 0")
-    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables)")
-    _require(
-        o.schedule_steps is None or o.schedule_steps >= 2,
-        f"optim.schedule_steps={o.schedule_steps} must be >= 2 (a warmup + cosine schedule of "
-        "one step is no schedule), or null: train.steps",
-    )
-    _one_of(m.impl, IMPLS, "model.impl")
-    for name in (
-        "dim",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "ffn_dim",
-        "vocab_size",
-        "pad_vocab_multiple",
-        "max_seq_len",
-    ):
-        _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
-    _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0 (RMSNorm divides by it)")
-    _require(
-        m.init_std > 0,
-        f"model.init_std={m.init_std} must be > 0 (the std of the normal weight init)",
-    )
-    _require(
-        m.dim % m.n_heads == 0, f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}"
-    )
-    _require(
-        m.n_heads % m.n_kv_heads == 0,
-        f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads} (GQA)",
-    )
-    _require(
-        m.head_dim % 2 == 0, f"model head_dim={m.head_dim} (dim/n_heads) must be even for RoPE"
-    )
-    # RoPE's fields: a value outside these ranges computes (no error) and trains a model
-    # whose positions are wrong or nan, which surfaces much later as a bad or non-finite loss.
-    _require(
-        math.isfinite(m.rope_theta) and m.rope_theta > 1,
-        f"model.rope_theta={m.rope_theta} must be a finite number > 1 (RoPE's base: the "
-        "wavelengths are rope_theta^(2i/head_dim); Llama 3 uses 500000)",
-    )
-    r = m.rope_scaling
-    if r is not None:
-        _require(
-            math.isfinite(r.factor) and r.factor >= 1,
-            f"model.rope_scaling.factor={r.factor} must be >= 1 (the long wavelengths are "
-            "slowed down by it), or set model.rope_scaling=null for plain RoPE",
-        )
-        _require(
-            0 < r.low_freq_factor < r.high_freq_factor and math.isfinite(r.high_freq_factor),
-            f"model.rope_scaling: low_freq_factor={r.low_freq_factor} and high_freq_factor="
-            f"{r.high_freq_factor} must satisfy 0 < low_freq_factor < high_freq_factor (the "
-            "blend between them divides by their difference); Llama 3 uses 1 and 4",
-        )
-        _require(
-            r.original_max_position_embeddings > 0,
-            "model.rope_scaling.original_max_position_embeddings="
-            f"{r.original_max_position_embeddings} must be > 0 (Llama 3 uses 8192)",
-        )
-    e = cfg.eval
-    _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
-    _require(
-        d.seq_len <= m.max_seq_len,
-        f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
-        "raise model.max_seq_len or lower data.seq_len",
-    )
-    _require(
-        d.name in DATA_SOURCES,
-        f"data.name={d.name!r} is not one of {', '.join(DATA_SOURCES)}",
-    )
-    if d.name == "synthetic":
-        _require(d.doc_len >= 2, f"data.doc_len={d.doc_len} must be >= 2 (BOS and EOS)")
-        _require(
-            d.doc_len_dist in DOC_LEN_DISTRIBUTIONS,
-            f"data.doc_len_dist={d.doc_len_dist!r} is not one of "
-            f"{', '.join(DOC_LEN_DISTRIBUTIONS)}; set data.doc_len_dist to one of them",
-        )
-        _require(
-            d.doc_len_dist != "lognormal" or d.doc_len_sigma > 0,
-            f"data.doc_len_sigma={d.doc_len_sigma} must be > 0 with data.doc_len_dist=lognormal "
-            "(the spread of the lengths' log; 1.0 is a heavy tail)",
-        )
-        _require(
-            m.vocab_size >= 3,
-            f"model.vocab_size={m.vocab_size} is too small for data=synthetic (its ids are "
-            "below model.vocab_size - 2, then BOS and EOS); set model.vocab_size >= 3",
-        )
-        _require(
-            e.every == 0,
-            "eval.every > 0 needs held-out documents, which data=synthetic has none of; set "
-            "eval.every=0",
-        )
-    _require(
-        d.min_doc_len >= 0,
-        f"data.min_doc_len={d.min_doc_len} must be >= 0 (0: one document per file; N: files "
-        "joined into documents of at least N tokens)",
-    )
-    _require(
-        d.min_doc_len == 0 or d.name == "embedded",
-        f"data.min_doc_len={d.min_doc_len} joins the files of data=embedded, not data={d.name}; "
-        "set data.min_doc_len=0"
-        + (" (long synthetic documents: data.doc_len_dist)" if d.name == "synthetic" else ""),
-    )
-    _require(
-        d.name != "hf" or bool(d.path),
-        "data.path is required with data=hf (a hub dataset name or local files)",
-    )
-    _one_of(cfg.checkpoint.mode, CHECKPOINT_MODES, "checkpoint.mode")
-    _require(
-        cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0"
-    )
-    _require(
-        cfg.checkpoint.keep_last >= 1,
-        f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1",
-    )
-    c = cfg.checkpoint
-    _require(
-        # (a recipe.switch saves its step: that run does save)
-        c.mode == "none" or c.interval > 0 or c.save_at_end or bool(cfg.recipe.switch),
+    """Single-config rules (no environment needed). Raises ConfigError.
+
+    Each section checks its own fields in its `validate`, beside its dataclass; the rules
+    across sections follow. The order is fixed: the first failure is the one reported."""
+    cfg.run.validate()
+    cfg.train.validate()
+    cfg.optim.validate()
+    cfg.model.validate()
+    m = cfg.model
+    cfg.data.validate(max_seq_len=m.max_seq_len, vocab_size=m.vocab_size, eval_every=cfg.eval.every)
+    _validate_checkpoint(cfg.checkpoint, switching=bool(cfg.recipe.switch))
+    cfg.resume.validate()
+    cfg.logger.validate()
+    cfg.eval.validate()
+    _check_held_out(cfg.eval, cfg.data)
+    _check_command(cfg)
+    check_accept(cfg.resume.accept)
+    _check_recipe_switch(cfg)
+
+
+def _validate_checkpoint(c: CheckpointConfig, switching: bool) -> None:
+    """The checkpoint section. Kept here, not beside CheckpointConfig: checkpoint/config.py's
+    own `validate` (run when the checkpoint manager starts) words its checks for that use.
+    `switching`: recipe.switch is set (its switch step saves, so that run does save)."""
+    one_of(c.mode, CHECKPOINT_MODES, "checkpoint.mode")
+    require(c.interval >= 0, f"checkpoint.interval={c.interval} must be >= 0")
+    require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    require(
+        c.mode == "none" or c.interval > 0 or c.save_at_end or switching,
         f"checkpoint.interval=0 with checkpoint.save_at_end=false never saves a checkpoint "
         f"(checkpoint={c.mode}); set checkpoint.interval>0 or checkpoint.save_at_end=true, or "
         "use checkpoint=none",
     )
-    _require(
+    require(
         c.mode != "none" or str(c.resume) != "auto",
         "checkpoint.resume=auto with checkpoint=none: a run that saves no checkpoints has none "
         "of its own to resume; use checkpoint=sync (or async, async_process) to save and "
         "resume, or checkpoint.resume=<path> to start from a checkpoint without saving",
     )
-    _one_of(cfg.resume.loss_check, LOSS_CHECKS, "resume.loss_check")
-    _one_of(cfg.logger.wandb.mode, WANDB_MODES, "logger.wandb.mode")
-    _one_of(cfg.logger.wandb.resume, WANDB_RESUME, "logger.wandb.resume")
-    _require(
-        cfg.logger.wandb.resume != "rewind" or cfg.logger.wandb.mode == "online",
-        f"logger.wandb.resume=rewind needs logger.wandb.mode=online (mode is "
-        f"{cfg.logger.wandb.mode}; offline runs cannot be rewound); use logger.wandb.resume=hold "
-        "or auto",
-    )
-    _require(e.every >= 0, f"eval.every={e.every} must be >= 0 (0: no evaluation)")
-    _require(e.batches >= 1, f"eval.batches={e.batches} must be >= 1")
+
+
+def _check_held_out(e: EvalConfig, d: DataConfig) -> None:
+    """With evaluation on, the data must hold documents out (a split, or a fraction)."""
     if e.every > 0:
-        _require(
+        require(
             d.eval_split is None or d.name == "hf",
             f"data.eval_split={d.eval_split!r} needs data=hf (data=embedded has one split and "
             "holds out data.eval_fraction of its documents); set data.eval_split=null",
         )
-        _require(
+        require(
             d.eval_split is not None or 0 < d.eval_fraction <= 0.5,
             f"data.eval_fraction={d.eval_fraction} must be in (0, 0.5] with eval.every > 0 "
             "(the share of documents held out of training for evaluation)",
         )
-    _require(
+
+
+def _check_command(cfg: Config) -> None:
+    """train.dry_run and train.eval_only: one of them, and what evaluating a checkpoint needs."""
+    t, d = cfg.train, cfg.data
+    require(
         not (t.dry_run and t.eval_only),
         "train.dry_run and train.eval_only are two different commands; set one of them",
     )
     if t.eval_only:
-        _require(
+        require(
             str(cfg.checkpoint.resume) != "none",
             "train.eval_only evaluates a checkpoint and checkpoint.resume=none loads none; use "
             "checkpoint.resume=auto (the run's newest) or checkpoint.resume=PATH",
         )
-        _require(
+        require(
             d.name != "synthetic",
             "train.eval_only needs held-out documents, which data=synthetic has none of; use "
             "data=embedded or data=hf",
         )
-    check_accept(cfg.resume.accept)
+
+
+def _check_recipe_switch(cfg: Config) -> None:
+    """recipe.switch: its steps on the schedule's length, and checkpoints to switch through."""
     if cfg.recipe.switch:
         from recipes.switch import resolve_switches
 
-        resolve_switches(cfg.recipe, o.schedule_steps or t.steps)
-        _require(
+        resolve_switches(cfg.recipe, cfg.optim.schedule_steps or cfg.train.steps)
+        require(
             cfg.checkpoint.mode != "none",
             "recipe.switch needs checkpoints (the switch loads the checkpoint of its step, as a "
             "resume would); use checkpoint=sync (or async, async_process)",
@@ -427,14 +369,14 @@ def validate(cfg: Config) -> None:
 def validate_batch(cfg: Config, dp_size: int) -> int:
     """Returns gradient-accumulation steps; the global batch must split evenly over DP ranks."""
     t = cfg.train
-    _require(
+    require(
         t.global_batch_size % dp_size == 0,
         f"train.global_batch_size={t.global_batch_size} must be divisible by the "
         f"data-parallel size {dp_size}; change it or the parallel degrees",
     )
     micro = t.micro_batch_size or t.global_batch_size // dp_size
     per_step = micro * dp_size
-    _require(
+    require(
         t.global_batch_size % per_step == 0,
         f"train.global_batch_size={t.global_batch_size} must be divisible by "
         f"train.micro_batch_size={micro} x data-parallel size {dp_size}; "

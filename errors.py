@@ -13,3 +13,14 @@ class ConfigError(ValueError):
 class NonFiniteLossError(ConfigError):
     """The loss became nan or inf: the run stops (one line) and saves nothing of that step or
     later. A ConfigError because the fix is in the inputs (learning rate, data, precision)."""
+
+
+def require(ok: bool, msg: str) -> None:
+    """Raise ConfigError(msg) unless `ok`: the config sections' `validate` methods use it."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def one_of(value, allowed: tuple, field_name: str) -> None:
+    """`field_name`'s value must be one of `allowed`."""
+    require(value in allowed, f"{field_name}={value!r} is not one of {', '.join(allowed)}")

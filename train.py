@@ -21,7 +21,9 @@ import functools
 import gc
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
@@ -466,10 +468,47 @@ def run(cfg: Config) -> int:
 
 
 def _run(cfg: Config, stop: StopSignal) -> int:
+    """Setup in its fixed order (the numbered steps), then `train_loop`."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(cfg.train.device)
     say = print if rank == 0 else (lambda *a, **k: None)
+    threads_line = _prepare_process(cfg, world_size, device, say)  # and step 1
+
+    # 2. Model source: Hugging Face weights (model.init_from) unless the run resumes from a
+    #    checkpoint; their config.json fills (model=hf) or checks the model config.
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    cfg.model, hf_weights = model_source(cfg, run_dir)
+
+    # 3. Config check: one clear line for any bad input, before GPU memory or data.
+    dims, grad_accum, impl, tokenizer = _checked_config(cfg, rank, world_size, device, say)
+    # Dry run / evaluation only: from here on they take their own path (no run directory
+    # written, no training).
+    if cfg.train.dry_run or cfg.train.eval_only:
+        path = dry_run if cfg.train.dry_run else eval_only
+        return path(cfg, dims, grad_accum, impl, device, run_dir, tokenizer, say)
+    # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
+    # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
+    run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
+    if run_lock is not None:
+        stop.release = run_lock.release  # a second Ctrl-C frees the run directory
+    segment, ckpt, resume_from = _plan_resume(cfg, run_dir, run_lock, rank, world_size, stop)
+    if resume_from >= cfg.train.steps:
+        # Nothing to train: nothing is built, loaded or written (a save here would commit the
+        # resumed state under the smaller train.steps, a checkpoint mislabeled as that step).
+        ckpt.close()
+        say(nothing_to_do(run_dir, resume_from, cfg.train.steps), flush=True)
+        return 0
+    loop = Loop(
+        cfg, rank, world_size, device, dims, impl, grad_accum, run_dir, say, stop, ckpt, segment
+    )
+    _build(loop, tokenizer, resume_from, hf_weights, threads_line)  # steps 4-11
+    return train_loop(loop)
+
+
+def _prepare_process(cfg: Config, world_size: int, device, say) -> str | None:
+    """What the process needs before anything else: deterministic kernels, CPU threads, NCCL
+    priority, then (step 1) the process group. Returns the CPU threads line (or None)."""
     # Deterministic kernels before anything makes a cuBLAS handle or a TE module; a run whose
     # environment already asks for them is recorded as deterministic (config.TrainConfig).
     if not cfg.train.deterministic and deterministic_env():
@@ -493,13 +532,12 @@ def _run(cfg: Config, stop: StopSignal) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return threads_line
 
-    # 2. Model source: Hugging Face weights (model.init_from) unless the run resumes from a
-    #    checkpoint; their config.json fills (model=hf) or checks the model config.
-    run_dir = Path(cfg.run.root) / cfg.run.name
-    cfg.model, hf_weights = model_source(cfg, run_dir)
 
-    # 3. Config check: one clear line for any bad input, before GPU memory or data.
+def _checked_config(cfg: Config, rank: int, world_size: int, device, say):
+    """Step 3: `check_config`, the start-up warnings and notes, and the tokenizer (checked
+    against the model's vocabulary). Returns (dims, grad_accum, impl, tokenizer)."""
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     for line in config_warnings(cfg):
         say(line, flush=True)
@@ -516,21 +554,14 @@ def _run(cfg: Config, stop: StopSignal) -> int:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size>={tokenizer.vocab_size}"
         )
-    # Dry run / evaluation only: from here on they take their own path (no run directory
-    # written, no training).
-    if cfg.train.dry_run or cfg.train.eval_only:
-        path = dry_run if cfg.train.dry_run else eval_only
-        return path(cfg, dims, grad_accum, impl, device, run_dir, tokenizer, say)
-    # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
-    # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
-    run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
-    if run_lock is not None:
-        stop.release = run_lock.release  # a second Ctrl-C frees the run directory
+    return dims, grad_accum, impl, tokenizer
 
-    # Every resume decision, before the model is built (at 8B-70B that takes minutes): which
-    # checkpoint, intact as far as its small files tell, this run's (run.name, model shape,
-    # corpus), and the config comparison. The manager starts here, so async_process's writer
-    # processes start while the model is built.
+
+def _plan_resume(cfg: Config, run_dir: Path, run_lock, rank: int, world_size: int, stop):
+    """Every resume decision, before the model is built (at 8B-70B that takes minutes): which
+    checkpoint, intact as far as its small files tell, this run's (run.name, model shape,
+    corpus), and the config comparison. The manager starts here, so async_process's writer
+    processes start while the model is built. Returns (segment, manager, step to resume)."""
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     ckpt = CheckpointManager(
         cfg.checkpoint,
@@ -545,14 +576,57 @@ def _run(cfg: Config, stop: StopSignal) -> int:
         segment.yaml, check=segment.check, accept_corpus=segment.accepts("data.corpus")
     )
     stop.stopped_line = lambda: ckpt.stopped_line(resume_from)
-    if resume_from >= cfg.train.steps:
-        # Nothing to train: nothing is built, loaded or written (a save here would commit the
-        # resumed state under the smaller train.steps, a checkpoint mislabeled as that step).
-        ckpt.close()
-        say(nothing_to_do(run_dir, resume_from, cfg.train.steps), flush=True)
-        return 0
+    return segment, ckpt, resume_from
+
+
+@dataclasses.dataclass
+class Loop:
+    """What the training loop's per-step calls share: the run's fixed parts (from `_run`),
+    the parts `_build` makes (steps 4-11), and the recipe, model, optimizer, schedule and
+    checkpointed state, which a recipe switch replaces."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    device: torch.device
+    dims: ParallelDims
+    impl: str
+    grad_accum: int
+    run_dir: Path
+    say: Callable
+    stop: StopSignal
+    ckpt: CheckpointManager
+    segment: SegmentConfig
+    # Set by `_build`:
+    switches: dict = dataclasses.field(default_factory=dict)  # step -> the recipe after it
+    recipe: Recipe | None = None
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    loader: Any = None
+    eval_batches: Any = None
+    train_state: TrainState | None = None
+    state: dict | None = None  # what a checkpoint holds (checkpointed_state)
+    start_step: int = 0
+    logger: MetricsLogger | None = None
+    param_bytes: int = 0  # this rank's share of the parameters, as stored
+    param_local_numel: int = 0
+    autocast: Any = None
+    clock: StepClock | None = None
+    layout: BatchLayout | None = None
+    profiler: StepProfiler | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+
+def _build(loop: Loop, tokenizer, resume_from: int, hf_weights, threads_line) -> None:
+    """Steps 4-11 of `run`: mesh, model, optimizer, data, the resume, the logger and the
+    loop's clock, each into `loop`."""
+    cfg, dims, device = loop.cfg, loop.dims, loop.device
     # The recipe of the first step this run trains (recipe.switch: the resumed step decides).
-    switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
+    loop.switches = {s.step: s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg))}
     first_step = 1 + resume_from
     rcfg = recipe_for_step(cfg.recipe, first_step, schedule_steps(cfg))
 
@@ -560,204 +634,288 @@ def _run(cfg: Config, stop: StopSignal) -> int:
     #    group; the fixes go in before anything builds a module.
     dims.build_mesh(device.type)
     compat.apply_all()
-    torch.manual_seed(cfg.train.seed + rank)  # per-rank stream; weights use their own seeds
+    torch.manual_seed(cfg.train.seed + loop.rank)  # per-rank stream; weights use their own seeds
 
     # 5-8. Model: meta build, parallelize, materialize, initialize (or load init_from),
     #      quantize; optimizer and schedule.
-    recipe, model, optimizer, scheduler = build_training(
-        cfg, rcfg, impl, dims, device, init_from=hf_weights
+    loop.recipe, loop.model, loop.optimizer, loop.scheduler = build_training(
+        cfg, rcfg, loop.impl, dims, device, init_from=hf_weights
     )
 
     # 9. Data: each data-parallel rank reads its rows of one global batch order (and of the
     #    held-out batches when evaluation is on).
-    loader, eval_batches = build_data(
+    loop.loader, loop.eval_batches = build_data(
         cfg.data,
         tokenizer,
         global_batch_size=cfg.train.global_batch_size,
         dp_rank=dims.dp_rank,
         dp_size=dims.dp_size,
         eval_batches=cfg.eval.batches if cfg.eval.every > 0 else 0,
-        log=lambda line: say(line, flush=True),
+        log=lambda line: loop.say(line, flush=True),
     )
-    if eval_batches is not None:
-        say(f"eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps", flush=True)
+    if loop.eval_batches is not None:
+        loop.say(
+            f"eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps", flush=True
+        )
 
     # 10. Checkpoint resume (what plan_resume chose; the config is compared again with the
     #     loaded train state's), then the logger (it trims metrics to the resumed step and
     #     reuses the wandb id stored in the checkpoint).
-    train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
-    state = checkpointed_state(model, optimizer, scheduler, loader, train_state, recipe, say)
-    start_step = ckpt.resume(state)
-    stop.stopped_line = lambda: ckpt.stopped_line(train_state.step)
+    _resume(loop, first_step)
+    _start_logger(loop, hf_weights, threads_line)
+
+    # 11. Train. The compute dtype is bf16 on GPU (TE's quantized GEMMs come from the recipe,
+    #     inside the model), fp32 on CPU.
+    loop.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    loop.clock = StepClock(
+        start_step=loop.start_step,
+        total_steps=cfg.train.steps,
+        tokens_per_step=loop.tokens_per_step,
+        step_flops=functools.partial(step_flops, cfg.model),
+        peak_tflops=cfg.train.peak_tflops
+        or (peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None),
+        world_size=loop.world_size,
+        eval_every=cfg.eval.every if loop.eval_batches is not None else 0,
+    )
+    loop.layout = batch_layout(loop.loader, dims, loop.impl)
+    loop.profiler = StepProfiler(cfg.train.profile_steps, loop.run_dir, loop.rank, device)
+    loop.model.train()
+
+
+def _resume(loop: Loop, first_step: int) -> None:
+    """Step 10's load: the checkpoint `_plan_resume` chose into the model, optimizer, schedule,
+    loader and train state; then the segment's record (rank 0)."""
+    cfg, ckpt, segment = loop.cfg, loop.ckpt, loop.segment
+    loop.train_state = train_state = TrainState(config_yaml=segment.yaml, on_load=segment)
+    loop.state = checkpointed_state(
+        loop.model, loop.optimizer, loop.scheduler, loop.loader, train_state, loop.recipe, loop.say
+    )
+    start_step = loop.start_step = ckpt.resume(loop.state)
+    loop.stop.stopped_line = lambda: ckpt.stopped_line(train_state.step)
     if start_step + 1 != first_step:
         raise RuntimeError(f"resumed step {start_step}, planned {first_step - 1}")
     if start_step:
-        apply_config(optimizer, scheduler, cfg.optim)  # accepted optim changes take effect
+        apply_config(loop.optimizer, loop.scheduler, cfg.optim)  # accepted optim changes
         # Older checkpoints stay until this segment's losses match the run's (health.py).
-        logged = read_metrics(run_dir / "metrics.jsonl") if rank == 0 else None
+        logged = read_metrics(loop.run_dir / "metrics.jsonl") if loop.rank == 0 else None
         ckpt.watch_resumed_loss(logged, cfg.resume.loss_check)
-    if rank == 0:  # a segment that trains (one with nothing to train returned): record it
-        recorded = segment.record(run_dir, start_step, recipe=label(recipe.cfg), device=device.type)
+    if loop.rank == 0:  # a segment that trains (one with nothing to train returned): record it
+        recorded = segment.record(
+            loop.run_dir, start_step, recipe=label(loop.recipe.cfg), device=loop.device.type
+        )
         if segment.accepted:
             accepted = "; ".join(map(str, segment.accepted))
-            say(
+            loop.say(
                 f"config: resuming step {start_step} with accepted changes: {accepted} "
                 f"(recorded in {recorded})",
                 flush=True,
             )
-    logger = MetricsLogger(
+
+
+def _start_logger(loop: Loop, hf_weights, threads_line: str | None) -> None:
+    """Step 10's logger (metrics.jsonl trimmed to the resumed step, the wandb id the
+    checkpoint stored) and the model line."""
+    cfg, start_step = loop.cfg, loop.start_step
+    loop.logger = MetricsLogger(
         cfg.logger,
-        run_dir,
-        rank=rank,
+        loop.run_dir,
+        rank=loop.rank,
         run_name=cfg.run.name,
         config=OmegaConf.to_container(OmegaConf.structured(cfg)),
         tags=[cfg.model.name, cfg.recipe.name, cfg.parallel.name],
         total_steps=cfg.train.steps,
     )
-    train_state.wandb_run_id = logger.start(start_step, train_state.wandb_run_id)
-    n_params = sum(p.numel() for p in model.parameters())
-    param_bytes, param_local_numel = parameter_storage(model)  # this rank's share, as stored
-    logger.info(
-        f"model {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M "
-        f"param_mem={param_bytes / 2**30:.3f}GiB/rank recipe={recipe.name} "
-        f"layout={cfg.parallel.name} {dims} device={device.type} "
+    loop.train_state.wandb_run_id = loop.logger.start(start_step, loop.train_state.wandb_run_id)
+    n_params = sum(p.numel() for p in loop.model.parameters())
+    loop.param_bytes, loop.param_local_numel = parameter_storage(loop.model)
+    loop.logger.info(
+        f"model {cfg.model.name} impl={loop.impl} params={n_params / 1e6:.2f}M "
+        f"param_mem={loop.param_bytes / 2**30:.3f}GiB/rank recipe={loop.recipe.name} "
+        f"layout={cfg.parallel.name} {loop.dims} device={loop.device.type} "
         + (f"{threads_line} " if threads_line else "")
-        + f"grad_accum={grad_accum} "
-        f"run_dir={run_dir}"
+        + f"grad_accum={loop.grad_accum} "
+        f"run_dir={loop.run_dir}"
         + (f" init_from={cfg.model.init_from}" if hf_weights is not None else "")
         + (f" resumed_from_step={start_step}" if start_step else "")
     )
 
-    # 11. Train. The compute dtype is bf16 on GPU (TE's quantized GEMMs come from the recipe,
-    #     inside the model), fp32 on CPU.
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    clock = StepClock(
-        start_step=start_step,
-        total_steps=cfg.train.steps,
-        tokens_per_step=tokens_per_step,
-        step_flops=functools.partial(step_flops, cfg.model),
-        peak_tflops=cfg.train.peak_tflops
-        or (peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None),
-        world_size=world_size,
-        eval_every=cfg.eval.every if eval_batches is not None else 0,
-    )
-    layout = batch_layout(loader, dims, impl)
-    profiler = StepProfiler(cfg.train.profile_steps, run_dir, rank, device)
-    model.train()
+
+def train_loop(loop: Loop) -> int:
+    """The training loop: what happens at each step, in order, one named call each (a new
+    per-step check goes here, between the step and the save). Returns the exit status."""
+    steps = loop.cfg.train.steps
     # Python's garbage collector at fixed steps on every rank (train.gc_every), or as usual.
-    with GcSchedule(cfg.train.gc_every, say) as collector:
-        for step in range(start_step + 1, cfg.train.steps + 1):
-            profiler.begin(step)
-            # Document boundaries and this rank's context-parallel part, on the CPU.
-            inputs, labels, documents = layout(loader.next_batch())
-            clock.count(layout.attention_pairs)
-            loss, grad_norm = train_step(
-                model,
-                optimizer,
-                to_device(inputs, device),
-                to_device(labels, device),
-                grad_accum=grad_accum,
-                grad_clip=cfg.optim.grad_clip,
-                scheduler=scheduler,
-                autocast=autocast,
-                documents=documents,
-                reduce_each_micro_batch=cfg.parallel.grad_reduce == "micro_batch",
-            )
-            train_state.step, train_state.tokens_seen = (
-                step,
-                train_state.tokens_seen + tokens_per_step,
-            )
-            ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
-            if (trace := profiler.end(step)) is not None:
-                logger.info(f"profile of steps {cfg.train.profile_steps} written to {trace}")
-
-            last = step == cfg.train.steps
-            val_loss = None
-            if eval_batches is not None and (step % cfg.eval.every == 0 or last):
-                with clock.evaluation():
-                    val_loss = evaluate(
-                        model,
-                        eval_batches,
-                        micro_batches=grad_accum,
-                        autocast=autocast,
-                        dp_group=dims.loss_group,
-                        layout=layout,
-                    )
+    with GcSchedule(loop.cfg.train.gc_every, loop.say) as collector:
+        for step in range(loop.start_step + 1, steps + 1):
+            loss, grad_norm = _step(loop, step)
+            last = step == steps
+            val_loss = _maybe_evaluate(loop, step, last)
+            switch_to = loop.switches.get(step)
             stopping = False
-            switch_to = switches.get(step)
-            if step % cfg.train.log_every == 0 or last or val_loss is not None or switch_to:
-                # Attention work since the last log step, summed over the data-parallel ranks
-                # (cp and tp ranks share their rows): MFU counts the documents' attention.
-                pairs = torch.tensor(float(clock.take_pairs()), dtype=torch.float64, device=device)
-                if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
-                    dist.all_reduce(loss, group=dims.loss_group)
-                    loss /= dims.loss_size
-                    dist.all_reduce(pairs, group=dims.dp_group)
-                # The one host sync per log step (loss, grad norm and attention pairs together).
-                loss_value, norm_value, pairs_value = torch.stack(
-                    [loss.double(), grad_norm.double(), pairs]
-                ).tolist()
-                logger.log(
-                    dict(
-                        step=step,
-                        loss=loss_value,
-                        val_loss=val_loss,
-                        grad_norm=norm_value,
-                        lr=scheduler.get_last_lr()[0],
-                        tokens_seen=train_state.tokens_seen,
-                        **clock.measure(step, attention_pairs=pairs_value),
-                        mem_gb=peak_memory_gb(device),
-                        param_bytes_per_param=param_bytes / param_local_numel,
-                        eval_s=clock.eval_last if val_loss is not None else None,
-                        **ckpt.stats(),
-                        **({"recipe": label(recipe.cfg)} if switches else {}),
-                        **({"recipe_switch": f"-> {label(switch_to)}"} if switch_to else {}),
-                    )
-                )
-                ckpt.check_finite(step)  # a non-finite loss stops the run; nothing of it is saved
-                ckpt.check_resumed_loss(step, loss_value)
-                # Checked where the loop syncs anyway: a stop lands within log_every steps.
-                stopping = stop.save and stop.agreed(device)
-
-            ckpt.maybe_save(step, state, force=stopping or switch_to is not None)
+            if _is_log_step(loop, step, last, val_loss, switch_to):
+                loss_value = _log_step(loop, step, loss, grad_norm, val_loss, switch_to)
+                _check_loss(loop, step, loss_value)
+                stopping = _stop_agreed(loop)
+            loop.ckpt.maybe_save(step, loop.state, force=stopping or switch_to is not None)
             collector.after(step)  # while the GPU runs the step's queued kernels
             if switch_to is not None and not (last or stopping):
-                old = label(recipe.cfg)
-                model = optimizer = scheduler = state = None  # freed before the new ones are built
-                with clock.evaluation():  # timed apart from the steps, as evaluations are
-                    recipe, model, optimizer, scheduler, state = switch_recipe(
-                        cfg, switch_to, step, impl, dims, device, ckpt, loader, train_state, say
-                    )
-                param_bytes, param_local_numel = parameter_storage(model)
-                if rank == 0:
-                    segment.record(
-                        run_dir, step, recipe=label(recipe.cfg), switch=old, device=device.type
-                    )
-                logger.info(
-                    f"recipe switch after step {step}: {old} -> {label(recipe.cfg)} "
-                    f"in {clock.eval_last:.1f}s"
-                )
+                _switch(loop, step, switch_to)
             if stopping:
-                # Ctrl-C: a person stopped the run; any other stop signal is the scheduler's.
-                status, why = (
-                    (
-                        EXIT_INTERRUPTED,
-                        "(stopped by hand: not for requeue; run the same command to resume)",
-                    )
-                    if stop.name == "SIGINT"
-                    else (EXIT_REQUEUE, "for requeue")
-                )
-                ckpt.finish(step, state, save=False)  # said once committed, not before
-                logger.info(
-                    f"stop signal {stop.describe(world_size)}: checkpoint at step {step} saved; "
-                    f"every rank exits with status {status} {why}"
-                )
-                logger.finish()
-                return status
-    ckpt.finish(cfg.train.steps, state)
-    logger.finish()
-    logger.info(f"done: step {cfg.train.steps} in {format_duration(clock.elapsed())}")
+                return _stop(loop, step)
+    return _finish(loop)
+
+
+def _step(loop: Loop, step: int):
+    """One optimizer step (steps.train_step) on the loader's next batch; the train state
+    counts it. Returns the (loss, grad norm) tensors, on the device (no host sync)."""
+    loop.profiler.begin(step)
+    # Document boundaries and this rank's context-parallel part, on the CPU.
+    inputs, labels, documents = loop.layout(loop.loader.next_batch())
+    loop.clock.count(loop.layout.attention_pairs)
+    loss, grad_norm = train_step(
+        loop.model,
+        loop.optimizer,
+        to_device(inputs, loop.device),
+        to_device(labels, loop.device),
+        grad_accum=loop.grad_accum,
+        grad_clip=loop.cfg.optim.grad_clip,
+        scheduler=loop.scheduler,
+        autocast=loop.autocast,
+        documents=documents,
+        reduce_each_micro_batch=loop.cfg.parallel.grad_reduce == "micro_batch",
+    )
+    ts = loop.train_state
+    ts.step, ts.tokens_seen = step, ts.tokens_seen + loop.tokens_per_step
+    loop.ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
+    if (trace := loop.profiler.end(step)) is not None:
+        loop.logger.info(f"profile of steps {loop.cfg.train.profile_steps} written to {trace}")
+    return loss, grad_norm
+
+
+def _maybe_evaluate(loop: Loop, step: int, last: bool) -> torch.Tensor | None:
+    """The held-out loss every eval.every steps and at the last step (None otherwise)."""
+    if loop.eval_batches is None or not (step % loop.cfg.eval.every == 0 or last):
+        return None
+    with loop.clock.evaluation():
+        return evaluate(
+            loop.model,
+            loop.eval_batches,
+            micro_batches=loop.grad_accum,
+            autocast=loop.autocast,
+            dp_group=loop.dims.loss_group,
+            layout=loop.layout,
+        )
+
+
+def _is_log_step(loop: Loop, step: int, last: bool, val_loss, switch_to) -> bool:
+    """Every train.log_every steps, the last step, an evaluation's and a recipe switch's."""
+    return bool(step % loop.cfg.train.log_every == 0 or last or val_loss is not None or switch_to)
+
+
+def _log_step(loop: Loop, step: int, loss, grad_norm, val_loss, switch_to) -> float:
+    """The log step's one host sync (loss averaged over the ranks, grad norm, attention pairs)
+    and its metrics record. Returns the loss."""
+    device, dims, clock = loop.device, loop.dims, loop.clock
+    # Attention work since the last log step, summed over the data-parallel ranks (cp and tp
+    # ranks share their rows): MFU counts the documents' attention.
+    pairs = torch.tensor(float(clock.take_pairs()), dtype=torch.float64, device=device)
+    if dims.loss_group is not None:  # mean over dp x cp ranks (TP ranks agree)
+        dist.all_reduce(loss, group=dims.loss_group)
+        loss /= dims.loss_size
+        dist.all_reduce(pairs, group=dims.dp_group)
+    # The one host sync per log step (loss, grad norm and attention pairs together).
+    loss_value, norm_value, pairs_value = torch.stack(
+        [loss.double(), grad_norm.double(), pairs]
+    ).tolist()
+    switches, recipe = loop.switches, loop.recipe
+    loop.logger.log(
+        dict(
+            step=step,
+            loss=loss_value,
+            val_loss=val_loss,
+            grad_norm=norm_value,
+            lr=loop.scheduler.get_last_lr()[0],
+            tokens_seen=loop.train_state.tokens_seen,
+            **clock.measure(step, attention_pairs=pairs_value),
+            mem_gb=peak_memory_gb(device),
+            param_bytes_per_param=loop.param_bytes / loop.param_local_numel,
+            eval_s=clock.eval_last if val_loss is not None else None,
+            **loop.ckpt.stats(),
+            **({"recipe": label(recipe.cfg)} if switches else {}),
+            **({"recipe_switch": f"-> {label(switch_to)}"} if switch_to else {}),
+        )
+    )
+    return loss_value
+
+
+def _check_loss(loop: Loop, step: int, loss_value: float) -> None:
+    """The log step's loss checks: a non-finite loss stops the run (nothing of it is saved);
+    a resumed segment's first losses against the run's (checkpoint/health.py)."""
+    loop.ckpt.check_finite(step)
+    loop.ckpt.check_resumed_loss(step, loss_value)
+
+
+def _stop_agreed(loop: Loop) -> bool:
+    """Whether every rank got a stop signal to save on. Checked where the loop syncs anyway
+    (log steps): a stop lands within log_every steps."""
+    return loop.stop.save and loop.stop.agreed(loop.device)
+
+
+def _switch(loop: Loop, step: int, rcfg) -> None:
+    """The recipe switch after `step` (switch_recipe), timed apart from the steps as
+    evaluations are, recorded as a segment and said."""
+    old = label(loop.recipe.cfg)
+    # The old model, optimizer, schedule and state are freed before the new ones are built.
+    loop.model = loop.optimizer = loop.scheduler = loop.state = None
+    with loop.clock.evaluation():
+        loop.recipe, loop.model, loop.optimizer, loop.scheduler, loop.state = switch_recipe(
+            loop.cfg,
+            rcfg,
+            step,
+            loop.impl,
+            loop.dims,
+            loop.device,
+            loop.ckpt,
+            loop.loader,
+            loop.train_state,
+            loop.say,
+        )
+    loop.param_bytes, loop.param_local_numel = parameter_storage(loop.model)
+    new = label(loop.recipe.cfg)
+    if loop.rank == 0:
+        loop.segment.record(loop.run_dir, step, recipe=new, switch=old, device=loop.device.type)
+    loop.logger.info(
+        f"recipe switch after step {step}: {old} -> {new} in {loop.clock.eval_last:.1f}s"
+    )
+
+
+def _stop(loop: Loop, step: int) -> int:
+    """A stop signal agreed at `step`: the checkpoint of `step` committed (maybe_save forced
+    it), said, and the exit status. Ctrl-C: a person stopped the run; any other stop signal
+    is the scheduler's."""
+    if loop.stop.name == "SIGINT":
+        status, why = (
+            EXIT_INTERRUPTED,
+            "(stopped by hand: not for requeue; run the same command to resume)",
+        )
+    else:
+        status, why = EXIT_REQUEUE, "for requeue"
+    loop.ckpt.finish(step, loop.state, save=False)  # said once committed, not before
+    loop.logger.info(
+        f"stop signal {loop.stop.describe(loop.world_size)}: checkpoint at step {step} saved; "
+        f"every rank exits with status {status} {why}"
+    )
+    loop.logger.finish()
+    return status
+
+
+def _finish(loop: Loop) -> int:
+    """The end of train.steps: the final save, the logger closed, the done line."""
+    loop.ckpt.finish(loop.cfg.train.steps, loop.state)
+    loop.logger.finish()
+    loop.logger.info(
+        f"done: step {loop.cfg.train.steps} in {format_duration(loop.clock.elapsed())}"
+    )
     return 0
 
 

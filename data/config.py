@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from errors import require
+
+#: data.name values.
+SOURCES = ("embedded", "hf", "synthetic")
+#: data.doc_len_dist values (data=synthetic).
+DOC_LEN_DISTRIBUTIONS = ("fixed", "exponential", "lognormal", "whole_rows")
+
 
 @dataclass
 class DataConfig:
@@ -74,3 +81,61 @@ class DataConfig:
     #: hf non-streaming: processes that tokenize when preparing the token cache (datasets.map
     #: num_proc). The result does not depend on it.
     num_proc: int = 1
+
+    def validate(self, *, max_seq_len: int, vocab_size: int, eval_every: int) -> None:
+        """The data fields (config.validate calls it), with the three rules that bound them by
+        other sections' values, passed in (model.max_seq_len, model.vocab_size, eval.every):
+        they sit among the data rules so that the first failure is the one reported, in the
+        order the rules have always run. Raises ConfigError."""
+        require(self.seq_len > 0, f"data.seq_len={self.seq_len} must be > 0")
+        require(
+            self.seq_len <= max_seq_len,
+            f"data.seq_len={self.seq_len} exceeds model.max_seq_len={max_seq_len}; "
+            "raise model.max_seq_len or lower data.seq_len",
+        )
+        require(
+            self.name in SOURCES,
+            f"data.name={self.name!r} is not one of {', '.join(SOURCES)}",
+        )
+        if self.name == "synthetic":
+            self._validate_synthetic(vocab_size, eval_every)
+        require(
+            self.min_doc_len >= 0,
+            f"data.min_doc_len={self.min_doc_len} must be >= 0 (0: one document per file; N: "
+            "files joined into documents of at least N tokens)",
+        )
+        require(
+            self.min_doc_len == 0 or self.name == "embedded",
+            f"data.min_doc_len={self.min_doc_len} joins the files of data=embedded, not "
+            f"data={self.name}; set data.min_doc_len=0"
+            + (
+                " (long synthetic documents: data.doc_len_dist)" if self.name == "synthetic" else ""
+            ),
+        )
+        require(
+            self.name != "hf" or bool(self.path),
+            "data.path is required with data=hf (a hub dataset name or local files)",
+        )
+
+    def _validate_synthetic(self, vocab_size: int, eval_every: int) -> None:
+        require(self.doc_len >= 2, f"data.doc_len={self.doc_len} must be >= 2 (BOS and EOS)")
+        require(
+            self.doc_len_dist in DOC_LEN_DISTRIBUTIONS,
+            f"data.doc_len_dist={self.doc_len_dist!r} is not one of "
+            f"{', '.join(DOC_LEN_DISTRIBUTIONS)}; set data.doc_len_dist to one of them",
+        )
+        require(
+            self.doc_len_dist != "lognormal" or self.doc_len_sigma > 0,
+            f"data.doc_len_sigma={self.doc_len_sigma} must be > 0 with "
+            "data.doc_len_dist=lognormal (the spread of the lengths' log; 1.0 is a heavy tail)",
+        )
+        require(
+            vocab_size >= 3,
+            f"model.vocab_size={vocab_size} is too small for data=synthetic (its ids are "
+            "below model.vocab_size - 2, then BOS and EOS); set model.vocab_size >= 3",
+        )
+        require(
+            eval_every == 0,
+            "eval.every > 0 needs held-out documents, which data=synthetic has none of; set "
+            "eval.every=0",
+        )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from errors import one_of, require
+
+#: model.impl values.
+IMPLS = ("auto", "te", "torch")
 
 
 @dataclass
@@ -17,6 +23,27 @@ class RopeScalingConfig:
     high_freq_factor: float = 4.0
     #: Context length the frequencies were trained for before scaling (tokens).
     original_max_position_embeddings: int = 8192
+
+    def validate(self) -> None:
+        """Outside these ranges RoPE computes (no error) and trains a model whose positions
+        are wrong or nan, which surfaces much later as a bad or non-finite loss."""
+        require(
+            math.isfinite(self.factor) and self.factor >= 1,
+            f"model.rope_scaling.factor={self.factor} must be >= 1 (the long wavelengths are "
+            "slowed down by it), or set model.rope_scaling=null for plain RoPE",
+        )
+        low, high = self.low_freq_factor, self.high_freq_factor
+        require(
+            0 < low < high and math.isfinite(high),
+            f"model.rope_scaling: low_freq_factor={low} and high_freq_factor="
+            f"{high} must satisfy 0 < low_freq_factor < high_freq_factor (the "
+            "blend between them divides by their difference); Llama 3 uses 1 and 4",
+        )
+        require(
+            self.original_max_position_embeddings > 0,
+            "model.rope_scaling.original_max_position_embeddings="
+            f"{self.original_max_position_embeddings} must be > 0 (Llama 3 uses 8192)",
+        )
 
 
 @dataclass
@@ -60,6 +87,52 @@ class ModelConfig:
     #: tie_embeddings and max_seq_len come from init_from's config.json at start-up; false:
     #: with init_from set, they must agree with it.
     shape_from_hf: bool = False
+
+    def validate(self) -> None:
+        """The model fields on their own (config.validate calls it); raises ConfigError."""
+        one_of(self.impl, IMPLS, "model.impl")
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "vocab_size",
+            "pad_vocab_multiple",
+            "max_seq_len",
+        ):
+            require(getattr(self, name) > 0, f"model.{name}={getattr(self, name)} must be > 0")
+        require(
+            self.norm_eps > 0,
+            f"model.norm_eps={self.norm_eps} must be > 0 (RMSNorm divides by it)",
+        )
+        require(
+            self.init_std > 0,
+            f"model.init_std={self.init_std} must be > 0 (the std of the normal weight init)",
+        )
+        require(
+            self.dim % self.n_heads == 0,
+            f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}",
+        )
+        require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads="
+            f"{self.n_kv_heads} (GQA)",
+        )
+        require(
+            self.head_dim % 2 == 0,
+            f"model head_dim={self.head_dim} (dim/n_heads) must be even for RoPE",
+        )
+        # RoPE's fields: a value outside these ranges computes (no error) and trains a model
+        # whose positions are wrong or nan, which surfaces much later as a bad or non-finite
+        # loss.
+        require(
+            math.isfinite(self.rope_theta) and self.rope_theta > 1,
+            f"model.rope_theta={self.rope_theta} must be a finite number > 1 (RoPE's base: the "
+            "wavelengths are rope_theta^(2i/head_dim); Llama 3 uses 500000)",
+        )
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate()
 
     @property
     def head_dim(self) -> int:

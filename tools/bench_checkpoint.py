@@ -62,6 +62,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools import benchlib  # noqa: E402
+
 MODES = ("sync", "async", "async_process")
 _CHUNK = 16 << 20
 
@@ -165,9 +167,9 @@ def disk_ceiling(directory: Path, total_bytes: int, streams: int, rank: int, wor
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from runlog import read_metrics  # a JSON line per record; none when the file is missing
+
+    return read_metrics(path)
 
 
 class GilProbe(threading.Thread):
@@ -376,7 +378,7 @@ def _mean(xs):
 
 
 def _f(x, fmt="{:.2f}"):
-    return "-" if x is None else fmt.format(x)
+    return benchlib.cell(x, fmt)
 
 
 def _files(s: dict) -> str:
@@ -440,12 +442,9 @@ def summarize(result: dict, steps: int) -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1 :]
-    else:
-        overrides = []
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(the tool's arguments, the train.py overrides after `--`)."""
+    argv, overrides = benchlib.split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--steps", type=int, default=40)
@@ -464,7 +463,11 @@ def main(argv: list[str]) -> int:
         action="store_false",
         help="skip the resume measurement (the last mode's checkpoint, cold page cache)",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv), overrides
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
 
     import torch
     import torch.distributed as dist
@@ -508,7 +511,30 @@ def main(argv: list[str]) -> int:
     if rank != 0:
         return 0
     rows = [summarize(r, args.steps) for r in results]
+    print_saves(results)
+    print_targets(rows, resume, d2h)
+    print_table(rows, world, f"{what} {d2h:.2f} GB/s/rank", threads)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(
+                json.dumps(
+                    {
+                        "ranks": world,
+                        "d2h_gbps": d2h,
+                        "disk_gbps_measured": disks,
+                        "overrides": overrides,
+                        "rows": rows,
+                        "saves": {r["mode"]: r["saves"] for r in results},
+                        "resume": resume,
+                    }
+                )
+                + "\n"
+            )
+    return 0
 
+
+def print_saves(results: list[dict]) -> None:
+    """Each save of each mode, as rank 0 recorded it."""
     print(
         "\nper save (rank 0): mode | step | blocked s (of it: device finishing the queued step; "
         "waiting for a free buffer; state_dict() calls; buffer allocation; the copy) | "
@@ -530,6 +556,10 @@ def main(argv: list[str]) -> int:
                 f"{s['save_total_s']:.3f} | {_files(s)}"
             )
 
+
+def print_targets(rows: list[dict], resume: dict | None, d2h: float) -> None:
+    """The targets (module docstring) met or not, per mode and for the resume; then the GIL
+    take-back waits (--gil-probe)."""
     sync = next((r for r in rows if r["mode"] == "sync"), None)
     print("\ntargets:")
     for r in rows:
@@ -577,46 +607,50 @@ def main(argv: list[str]) -> int:
                 f"p50 {g['p50_ms']:.2f} ms, p90 {g['p90_ms']:.2f} ms, p99 {g['p99_ms']:.2f} ms"
             )
 
-    header = (
-        "| mode | ranks | saves (deferred/skipped) | GiB/save | staging GB/s/rank "
-        "| disk GB/s (before; after) | write GB/s | blocked/save s (first; mean rest; final) "
-        "| device drain s | total/save s | queued s | total-queued s | step s |"
-    )
+
+def print_table(rows: list[dict], world: int, ceiling: str, threads: int) -> None:
+    """The summary table, last (tests/gpu/suite.sh prints from `per save` on)."""
+    header = [
+        "mode",
+        "ranks",
+        "saves (deferred/skipped)",
+        "GiB/save",
+        "staging GB/s/rank",
+        "disk GB/s (before; after)",
+        "write GB/s",
+        "blocked/save s (first; mean rest; final)",
+        "device drain s",
+        "total/save s",
+        "queued s",
+        "total-queued s",
+        "step s",
+    ]
     print(
-        f"\nceilings: {what} {d2h:.2f} GB/s/rank; disk per mode in the table: the mean of "
+        f"\nceilings: {ceiling}; disk per mode in the table: the mean of "
         f"the measurements just before and after it (each the faster of 1 and {threads} "
         "streams per rank)\n"
     )
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
+    lines = []
     for r in rows:
-        print(
-            f"| {r['mode']} | {world} | {r['saves']} ({r['deferred']}/{r['skipped']}) | "
-            f"{_f(r['bytes'] and r['bytes'] / 2**30, '{:.2f}')} | {_f(r['stage_gbps'])} | "
-            f"{_f(r['disk_gbps'])} ({_f(r['disk_around'][0])}; {_f(r['disk_around'][1])}) | "
-            f"{_f(r['write_gbps'])} | {_f(r['blocked_first'], '{:.3f}')}; "
-            f"{_f(r['blocked_mean'], '{:.3f}')}; {_f(r['blocked_final'], '{:.3f}')} | "
-            f"{_f(r['drain_mean'], '{:.3f}')} | {_f(r['total_mean'])} | "
-            f"{_f(r['queued_mean'])} | {_f(r['own_mean'])} | {_f(r['step_s'], '{:.3f}')} |"
-            + ("" if r["status"] == 0 else f" (exit status {r['status']})")
-        )
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "ranks": world,
-                        "d2h_gbps": d2h,
-                        "disk_gbps_measured": disks,
-                        "overrides": overrides,
-                        "rows": rows,
-                        "saves": {r["mode"]: r["saves"] for r in results},
-                        "resume": resume,
-                    }
-                )
-                + "\n"
-            )
-    return 0
+        cells = [
+            r["mode"],
+            world,
+            f"{r['saves']} ({r['deferred']}/{r['skipped']})",
+            _f(r["bytes"] and r["bytes"] / 2**30, "{:.2f}"),
+            _f(r["stage_gbps"]),
+            f"{_f(r['disk_gbps'])} ({_f(r['disk_around'][0])}; {_f(r['disk_around'][1])})",
+            _f(r["write_gbps"]),
+            f"{_f(r['blocked_first'], '{:.3f}')}; {_f(r['blocked_mean'], '{:.3f}')}; "
+            f"{_f(r['blocked_final'], '{:.3f}')}",
+            _f(r["drain_mean"], "{:.3f}"),
+            _f(r["total_mean"]),
+            _f(r["queued_mean"]),
+            _f(r["own_mean"]),
+            _f(r["step_s"], "{:.3f}"),
+        ]
+        status = "" if r["status"] == 0 else f" (exit status {r['status']})"
+        lines.append(benchlib.row(cells) + status)
+    print(benchlib.table(header, lines))
 
 
 if __name__ == "__main__":

@@ -42,8 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runlog import read_metrics  # noqa: E402
-from runtime import failure_line, launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 #: TE's attention logging: the backend it runs with (INFO) and why it disabled others (DEBUG).
@@ -66,13 +65,12 @@ def _loss(records: list[dict], step: int) -> float | None:
 
 
 def _f(x, fmt="{:.4f}") -> str:
-    return "-" if x is None else fmt.format(x)
+    return benchlib.cell(x, fmt)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(the tool's arguments, the train.py overrides after `--`)."""
+    argv, extra = benchlib.split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=RECIPES)
     p.add_argument(
@@ -88,12 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=570.0, help="seconds for all runs")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-determinism")
     p.add_argument("--json", help="append the results (one JSON line) to this file")
-    args = p.parse_args(argv)
-    if not 0 < args.resume_at < args.steps:
-        print("error: --resume-at must be between 0 and --steps (exclusive)", file=sys.stderr)
-        return 2
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
+    return p.parse_args(argv), extra
+
+
+def plan(args, extra: list[str]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """(the overrides of every run, [(recipe, kind, the kind's overrides)] in run order)."""
     common = [
         f"model={args.model}",
         f"data.seq_len={args.seq_len}",
@@ -130,8 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if r in args.plain_repeat:
             plans.append((r, "plain-b", ["checkpoint=none"]))
+    return common, plans
 
-    t_start = time.perf_counter()
+
+def run_plans(args, common, plans, t_start: float):
+    """Each planned run that fits the time budget (a resumed run only after its det-a ran).
+    Returns ({(recipe, kind): run}, the dropped runs)."""
     longest = 0.0
     runs: dict[tuple[str, str], dict] = {}
     dropped = []
@@ -146,40 +147,38 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(TE_LOG)
         if kind.startswith("plain"):
             env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "1"
-        t0 = time.perf_counter()
-        r = launch([*common, f"recipe={recipe}", f"run.name={name}", *overrides], env=env)
-        seconds = time.perf_counter() - t0
-        longest = max(longest, seconds)
-        log = r.stdout + r.stderr
+        case = benchlib.run_case(
+            [*common, f"recipe={recipe}", f"run.name={name}", *overrides],
+            run_dir=args.out / name,
+            env=env,
+        )
+        longest = max(longest, case.seconds)
+        log = case.stdout + case.stderr
         (args.out / f"{name}.log").write_text(log)
         if kind == "det-resumed":  # 13.8 GiB a recipe at llama3_1b: the disk holds few
             shutil.rmtree(args.out / f"{recipe}-det-a" / "checkpoints", ignore_errors=True)
-        records = read_metrics(args.out / name / "metrics.jsonl")
         te_lines = list(dict.fromkeys(m.group(1).strip() for m in _TE_LINE.finditer(log)))
         runs[(recipe, kind)] = {
-            "status": r.returncode,
-            "seconds": seconds,
-            "records": records,
+            "status": case.returncode,
+            "seconds": case.seconds,
+            "records": case.records,
             "backend": next((x for x in te_lines if x.startswith("Running")), None),
             "disabled": [x for x in te_lines if x.startswith("Disabling")],
         }
         print(
-            f"{name}: exit {r.returncode} in {seconds:.0f}s"
-            + ("" if r.returncode == 0 else f": {failure_line(log)} (log: {args.out / name}.log)"),
+            f"{name}: exit {case.returncode} in {case.seconds:.0f}s"
+            + ("" if case.ok else f": {case.error} (log: {args.out / name}.log)"),
             flush=True,
         )
+    return runs, dropped
 
-    last = args.steps
-    print(
-        f"\n{args.model}, seq {args.seq_len}, micro batch {args.micro_batch}, {args.steps} steps "
-        f"on one device; resumed from step {args.resume_at}\n"
-    )
-    print(
-        "| recipe | deterministic | step-2 loss a / b | step-"
-        f"{last} loss a / b | resumed step {last} | a = b bitwise | resumed = a bitwise "
-        "| tokens/s | peak GiB | attention |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+
+def _steps_losses(records: list[dict], after: int = 0) -> list[tuple[int, float]]:
+    return [(x["step"], x["loss"]) for x in records if x["step"] > after]
+
+
+def compare(args, runs) -> list[dict]:
+    """One row per recipe and mode (deterministic or as shipped) whose run a succeeded."""
     rows = []
     for recipe in args.recipes:
         for mode in ("det", "plain"):
@@ -190,40 +189,60 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ra, rb = a["records"], (b or {}).get("records") or []
             rr = (res or {}).get("records") or []
-            same = (
-                None
-                if not rb
-                else [(x["step"], x["loss"]) for x in ra] == [(x["step"], x["loss"]) for x in rb]
-            )
+            same = None if not rb else _steps_losses(ra) == _steps_losses(rb)
             resumed_same = (
-                None
-                if not rr
-                else [(x["step"], x["loss"]) for x in rr]
-                == [(x["step"], x["loss"]) for x in ra if x["step"] > args.resume_at]
+                None if not rr else _steps_losses(rr) == _steps_losses(ra, args.resume_at)
             )
-            row = {
-                "recipe": recipe,
-                "deterministic": mode == "det",
-                "loss_a": {x["step"]: x["loss"] for x in ra},
-                "loss_b": {x["step"]: x["loss"] for x in rb},
-                "loss_resumed": {x["step"]: x["loss"] for x in rr},
-                "a_equals_b": same,
-                "resumed_equals_a": resumed_same,
-                "tokens_per_s": _median_tps(ra),
-                "peak_gib": _peak(ra),
-                "attention": a["backend"],
-                "disabled": a["disabled"],
-            }
-            rows.append(row)
-            yes = {True: "yes", False: "NO", None: "-"}
-            print(
-                f"| {recipe} | {'on' if mode == 'det' else 'off'} | "
-                f"{_f(_loss(ra, 2))} / {_f(_loss(rb, 2))} | "
-                f"{_f(_loss(ra, last))} / {_f(_loss(rb, last))} | {_f(_loss(rr, last))} | "
-                f"{yes[same]} | {yes[resumed_same]} | {_f(row['tokens_per_s'], '{:,.0f}')} | "
-                f"{_f(row['peak_gib'], '{:.1f}')} | {a['backend'] or '-'} |"
+            rows.append(
+                {
+                    "recipe": recipe,
+                    "deterministic": mode == "det",
+                    "loss_a": {x["step"]: x["loss"] for x in ra},
+                    "loss_b": {x["step"]: x["loss"] for x in rb},
+                    "loss_resumed": {x["step"]: x["loss"] for x in rr},
+                    "a_equals_b": same,
+                    "resumed_equals_a": resumed_same,
+                    "tokens_per_s": _median_tps(ra),
+                    "peak_gib": _peak(ra),
+                    "attention": a["backend"],
+                    "disabled": a["disabled"],
+                }
             )
-    print()
+    return rows
+
+
+def table(args, runs, rows: list[dict]) -> str:
+    last = args.steps
+    head = ["recipe", "deterministic", "step-2 loss a / b", f"step-{last} loss a / b"]
+    head += [f"resumed step {last}", "a = b bitwise", "resumed = a bitwise", "tokens/s"]
+    head += ["peak GiB", "attention"]
+    yes = {True: "yes", False: "NO", None: "-"}
+    out = []
+    for row in rows:
+        mode = "det" if row["deterministic"] else "plain"
+        ra = runs[(row["recipe"], f"{mode}-a")]["records"]
+        rb = (runs.get((row["recipe"], f"{mode}-b")) or {}).get("records") or []
+        rr = (runs.get((row["recipe"], f"{mode}-resumed")) or {}).get("records") or []
+        out.append(
+            [
+                row["recipe"],
+                "on" if row["deterministic"] else "off",
+                f"{_f(_loss(ra, 2))} / {_f(_loss(rb, 2))}",
+                f"{_f(_loss(ra, last))} / {_f(_loss(rb, last))}",
+                _f(_loss(rr, last)),
+                yes[row["a_equals_b"]],
+                yes[row["resumed_equals_a"]],
+                _f(row["tokens_per_s"], "{:,.0f}"),
+                _f(row["peak_gib"], "{:.1f}"),
+                row["attention"] or "-",
+            ]
+        )
+    return benchlib.table(head, out)
+
+
+def report(args, runs, rows, dropped) -> None:
+    """What follows the table: the cost of deterministic mode per recipe, TE's reasons, the
+    failed and dropped runs."""
     for recipe in args.recipes:
         det = next((r for r in rows if r["recipe"] == recipe and r["deterministic"]), None)
         plain = next((r for r in rows if r["recipe"] == recipe and not r["deterministic"]), None)
@@ -243,6 +262,26 @@ def main(argv: list[str] | None = None) -> int:
             f"dropped (time budget of {args.budget:.0f}s, or no checkpoint to resume): "
             + ", ".join(dropped)
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not 0 < args.resume_at < args.steps:
+        print("error: --resume-at must be between 0 and --steps (exclusive)", file=sys.stderr)
+        return 2
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    common, plans = plan(args, extra)
+    t_start = time.perf_counter()
+    runs, dropped = run_plans(args, common, plans, t_start)
+    rows = compare(args, runs)
+    print(
+        f"\n{args.model}, seq {args.seq_len}, micro batch {args.micro_batch}, {args.steps} steps "
+        f"on one device; resumed from step {args.resume_at}\n"
+    )
+    print(table(args, runs, rows))
+    print()
+    report(args, runs, rows, dropped)
     print(f"total {time.perf_counter() - t_start:.0f}s")
     if args.json:
         with open(args.json, "a") as f:
@@ -250,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [
         r for r in rows if r["deterministic"] and False in (r["a_equals_b"], r["resumed_equals_a"])
     ]
+    failed = [k for k, v in runs.items() if v["status"] != 0]
     return 1 if failed or bad else 0
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runlog import read_metrics  # noqa: E402
-from runtime import failure_line, launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 SM90_RECIPES = ["bf16", "fp8_delayed", "fp8_cs", "fp8_block"]
 
@@ -44,10 +43,40 @@ def run_one(
         f"run.name={name}",
         *extra,
     ]
-    r = launch(args)
-    if r.returncode != 0:
-        return [], failure_line(r.stdout + "\n" + r.stderr)
-    return read_metrics(root / name / "metrics.jsonl"), ""
+    case = benchlib.run_case(args, run_dir=root / name)
+    if not case.ok:
+        return [], case.error
+    return case.records, ""
+
+
+def table(rows: list[dict], at: list[int]) -> str:
+    """The comparison: the losses at the `at` steps, the last one's difference from bf16,
+    speed and memory; a failed run's row says why."""
+    base = next((r for r in rows if r["recipe"] == "bf16" and not r["error"]), None)
+    last = at[-1]
+    head = (
+        ["recipe", "qinit"]
+        + [f"loss@{s}" for s in at]
+        + [f"d(loss@{last}) vs bf16", "tok/s/GPU", "MFU", "peak GiB", "param B/param"]
+    )
+    out = []
+    for r in rows:
+        if r["error"]:
+            out.append([r["recipe"], r["quantized_init"], f"failed: {r['error']}"])
+            continue
+        losses = [f"{r['loss'].get(s, float('nan')):.4f}" for s in at]
+        delta = (
+            (r["loss"].get(last, float("nan")) - base["loss"].get(last, float("nan")))
+            if base
+            else float("nan")
+        )
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        pbp = f"{r['param_bytes_per_param']:.2f}" if r["param_bytes_per_param"] else "-"
+        out.append(
+            [r["recipe"], r["quantized_init"], *losses, f"{delta:+.4f}"]
+            + [f"{r['tokens_per_s_per_gpu']:,.0f}", mfu, f"{r['peak_mem_gb']:.2f}", pbp]
+        )
+    return benchlib.table(head, out)
 
 
 def main() -> None:
@@ -90,31 +119,7 @@ def main() -> None:
                 )
                 print(json.dumps(rows[-1]), flush=True)
 
-    base = next((r for r in rows if r["recipe"] == "bf16" and not r["error"]), None)
-    last = args.at[-1]
-    head = (
-        ["recipe", "qinit"]
-        + [f"loss@{s}" for s in args.at]
-        + [f"d(loss@{last}) vs bf16", "tok/s/GPU", "MFU", "peak GiB", "param B/param"]
-    )
-    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for r in rows:
-        if r["error"]:
-            print(f"| {r['recipe']} | {r['quantized_init']} | failed: {r['error']} |")
-            continue
-        losses = [f"{r['loss'].get(s, float('nan')):.4f}" for s in args.at]
-        delta = (
-            (r["loss"].get(last, float("nan")) - base["loss"].get(last, float("nan")))
-            if base
-            else float("nan")
-        )
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        pbp = f"{r['param_bytes_per_param']:.2f}" if r["param_bytes_per_param"] else "-"
-        print(
-            f"| {r['recipe']} | {r['quantized_init']} | "
-            + " | ".join(losses)
-            + f" | {delta:+.4f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.2f} | {pbp} |"
-        )
+    print("\n" + table(rows, args.at))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

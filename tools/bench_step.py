@@ -43,20 +43,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import failure_line  # noqa: E402
-from tools import trace_summary  # noqa: E402
+from tools import benchlib, trace_summary  # noqa: E402
 
 DEFAULT_CASES = [
     "llama3_1b:fsdp:bf16:none:4",
@@ -152,33 +148,23 @@ def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
 
 def run_case(case: dict, args, run_root: str) -> dict:
     repo = Path(args.repo).resolve() if args.repo else ROOT
-    cmd = [sys.executable]
-    if args.nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    cmd += ["train.py", *overrides(case, args.nproc, args, run_root)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=repo, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
-    )
-    wall = time.perf_counter() - t0
     run_dir = Path(run_root) / f"bench{case['index']}"
-    records = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    ran = benchlib.run_case(
+        overrides(case, args.nproc, args, run_root), run_dir=run_dir, nproc=args.nproc, repo=repo
+    )
+    records = ran.records
     steady = [r for r in records if r["step"] > args.warmup]
     result = dict(
         case,
         nproc=args.nproc,
         seq=args.seq,
         global_batch=args.global_batch or case["mbs"] * args.nproc,
-        wall_s=round(wall, 1),
+        wall_s=round(ran.seconds, 1),
         repo=str(repo),
     )
-    if proc.returncode != 0 or not steady:
-        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-        result["error"] = failure_line(proc.stdout + "\n" + proc.stderr)
-        result["log_tail"] = "\n".join(lines[-40:])
+    if not ran.ok or not steady:
+        result["error"] = ran.failure()
+        result["log_tail"] = ran.tail(40)
         return result
     result.update(
         tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_device"] for r in steady),
@@ -208,24 +194,24 @@ def run_case(case: dict, args, run_root: str) -> dict:
 def table(results: list[dict]) -> str:
     docs = any(r.get("documents") for r in results)
     extra = any(r.get("extra") for r in results)
-    head = "| model | layout | GPUs | recipe | act. ckpt | mbs |" + (" documents |" if docs else "")
-    head += " overrides |" if extra else ""
-    head += " tokens/s/GPU | MFU | peak GiB |"
-    rows = [head, "|---" * (head.count("|") - 1) + "|"]
+    head = ["model", "layout", "GPUs", "recipe", "act. ckpt", "mbs"]
+    head += (["documents"] if docs else []) + (["overrides"] if extra else [])
+    head += ["tokens/s/GPU", "MFU", "peak GiB"]
+    rows = []
     for r in results:
         recipe = r["recipe"] + (" +q" if r["quantized_init"] else "")
         ac = r["ac"] + (f" /{r['ac_every']}" if r["ac_every"] > 1 else "")
-        lead = f"| {r['model']} | {r['layout']} | {r['nproc']} | {recipe} | {ac} | {r['mbs']} |"
+        lead = [r["model"], r["layout"], r["nproc"], recipe, ac, r["mbs"]]
         if docs:
-            lead += f" {r.get('documents') or 'default data'} |"
+            lead.append(r.get("documents") or "default data")
         if extra:
-            lead += f" {' '.join(r.get('extra') or []) or '-'} |"
+            lead.append(" ".join(r.get("extra") or []) or "-")
         if "error" in r:
-            rows.append(f"{lead} FAILED: {str(r['error'])[:120]} | | |")
+            rows.append([*lead, f"FAILED: {str(r['error'])[:120]}", "", ""])
             continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        rows.append(f"{lead} {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} |")
-    return "\n".join(rows)
+        mfu = benchlib.cell(r["mfu"], "{:.1%}")
+        rows.append([*lead, f"{r['tokens_per_s_per_gpu']:,.0f}", mfu, f"{r['peak_gib']:.1f}"])
+    return benchlib.table(head, rows)
 
 
 def main(argv=None) -> int:
