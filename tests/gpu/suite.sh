@@ -494,9 +494,12 @@ mt_job() {
 mt_tests() {  # the gpu tests that need 2 GPUs (test_parallel_gpu.py: its harness runs in mt_parity,
               # test_ac_layouts_gpu.py: in mt_ac); test_cp_gpu runs cp=2 / 4 over gloo on GPU 0
     mt_needs tests "pytest (2 GPUs)" 2 || return 0
-    local rc
+    local rc xdist=()
+    # test_cp_gpu's ten torchrun launches one after another outran 265 and 420 s beside the
+    # other parts; pytest-xdist (in the GPU image) runs four at a time.
+    "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
     rc=$(CUDA_VISIBLE_DEVICES=0,1 mt_job tests pytest "$MT/tests.log" "$PY" -m pytest -m gpu -q \
-        -p no:cacheprovider --junitxml="$MT/tests.xml" \
+        -p no:cacheprovider "${xdist[@]}" --junitxml="$MT/tests.xml" \
         tests/gpu/test_checkpoint_gpu.py::test_fused_adam_reshards_2_to_1_gpus tests/gpu/test_cp_gpu.py)
     # pytest's status 1 is "a test failed": the rows say which
     [[ $rc == 1 ]] && rc=0
@@ -548,9 +551,14 @@ mt_parity() {
 mt_matrix() {
     mt_needs matrix "resume matrix: 6 layouts + cp=2 x fsdp, cp=2 x tp (4 GPUs)" 4 || return 0
     local pids=() i=-1 job
+    # At most MULTITIER_MATRIX_JOBS jobs at once (default 4): each rank of a job held 9-16 GiB
+    # of GPU memory (NCCL buffers of its process groups, TE, the cache), and all eight jobs at
+    # once ran 80 GiB H100s out of memory.
+    local at_once=${MULTITIER_MATRIX_JOBS:-4}
     for job in ddp:ddp: fsdp:fsdp: hsdp:hsdp: tp:tp: fsdp_tp:fsdp_tp: hsdp_tp:hsdp_tp: \
                fsdp+cp2:fsdp:parallel.cp=2 tp+cp2:tp:parallel.cp=2; do
         i=$((i + 1))  # the checkpoint-mode rotation follows the position in this list
+        if [[ ${#pids[@]} -ge $at_once ]]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
         local name=${job%%:*} rest=${job#*:}
         local layout=${rest%%:*} more=${rest#*:}
         (
