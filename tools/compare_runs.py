@@ -231,7 +231,7 @@ def noise_notes(label: str, path: str, report) -> list[str]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Compare runs step by step (the first run is the reference).",
         epilog="exit status: 0 agree / no check asked, 1 differ beyond tolerance, 2 bad input",
@@ -279,29 +279,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Earlier versions wrote a PNG unless told not to; the flag is still accepted.
     parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _args_problem(args) -> str | None:
+    """The first contradiction among the options, as one line (None: they agree). --exact
+    turns on --assert-equal and --same-steps."""
     tolerances = args.rtol is not None or args.atol is not None
     if (args.assert_equal or args.exact) and tolerances:
-        print("error: use either --assert-equal/--exact or --rtol/--atol", file=sys.stderr)
-        return 2
+        return "use either --assert-equal/--exact or --rtol/--atol"
     if args.exact:
         args.assert_equal = args.same_steps = True
     if len(args.runs) < 2:
-        print("error: give two or more runs", file=sys.stderr)
-        return 2
+        return "give two or more runs"
     if args.same_steps and not (args.assert_equal or tolerances):
-        print("error: --same-steps goes with --assert-equal or --rtol/--atol", file=sys.stderr)
-        return 2
+        return "--same-steps goes with --assert-equal or --rtol/--atol"
     if min(args.rtol or 0.0, args.atol or 0.0) < 0:
-        print("error: --rtol and --atol must be >= 0", file=sys.stderr)
-        return 2
+        return "--rtol and --atol must be >= 0"
     if args.smooth < 1:
-        print("error: --smooth must be >= 1", file=sys.stderr)
-        return 2
+        return "--smooth must be >= 1"
     if not args.plot and (args.smooth > 1 or args.logy or args.x != "step"):
-        print("error: --smooth, --logy and --x shape the plot: add --plot FILE", file=sys.stderr)
+        return "--smooth, --logy and --x shape the plot: add --plot FILE"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    problem = _args_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    tolerances = args.rtol is not None or args.atol is not None
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     try:
         if args.plot:
