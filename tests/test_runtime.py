@@ -191,3 +191,42 @@ def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
     r = launch(["model=llama3_1b", "train.dry_run=true", f"run.root={tmp_path}"], env=CPU_ENV)
     out = [x for x in r.stdout.splitlines() if x.strip()]
     assert r.returncode == 0 and note.fullmatch(out[0]) and out[1].startswith("dry run: "), out
+
+
+def _runs_in_one_process(rank, world_size, root):
+    """train.run three times in one process group (as a Hydra multirun's jobs or the test
+    harnesses do), with and without checkpoints: the groups each run made are gone after it,
+    and only those."""
+    import torch.distributed as dist
+
+    import train
+    from config import compose_config
+    from runtime import process_groups
+
+    mine = dist.new_group(backend="gloo")  # made before the runs: a caller's, kept
+    before = process_groups()
+    assert any(g is mine for g in before)
+    for i, mode in enumerate(("none", "async", "async_process")):
+        cfg = compose_config(
+            [
+                "model=tiny",
+                "model.impl=torch",
+                *TINY_RUN,
+                "parallel=fsdp",
+                "train.steps=3",
+                "train.global_batch_size=4",
+                f"checkpoint={mode}",
+                "checkpoint.interval=2",
+                f"run.root={root}",
+                f"run.name=r{i}",
+            ]
+        )
+        assert train.run(cfg) == 0
+        assert process_groups() == before, f"run {i} ({mode}) left process groups behind"
+    dist.barrier(group=mine)  # the caller's group still works
+
+
+def test_train_run_releases_the_process_groups_it_made(tmp_path):
+    from tests.distributed import run_distributed
+
+    run_distributed(_runs_in_one_process, 2, str(tmp_path))
