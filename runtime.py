@@ -448,31 +448,6 @@ class StopSignal:
         return f"{self.name} (received by {who})"
 
 
-def process_groups() -> list:
-    """The process groups this rank belongs to, oldest first, the default one excluded (an
-    empty list without torch.distributed)."""
-    if not dist.is_initialized():
-        return []
-    from torch.distributed import distributed_c10d as c10d
-
-    world = getattr(c10d, "_world", None)  # private; absent: nothing is released
-    groups = list(getattr(world, "pg_map", {}) or {})
-    return [g for g in groups if g is not c10d._get_default_group()]
-
-
-def release_process_groups(before: list) -> int:
-    """Destroys the process groups made since `before` (process_groups() then), newest first;
-    returns how many. train.run calls it when a run ends normally: a run's mesh, context-parallel
-    and checkpoint groups are its own, and a process that runs train.run again (the jobs of a
-    Hydra multirun, the test harnesses) otherwise keeps every earlier run's NCCL
-    communicators and their buffers, 9-16 GiB per rank after a dozen runs on H100s."""
-    kept = set(map(id, before))
-    made = [g for g in process_groups() if id(g) not in kept]
-    for group in reversed(made):
-        dist.destroy_process_group(group)
-    return len(made)
-
-
 def report_error(line: str) -> None:
     """A run that cannot go on, in one line: printed by rank 0 (every rank usually finds the
     same error) as `error: <line>`, and, under torchrun, written to this worker's error file,

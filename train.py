@@ -85,8 +85,6 @@ from runtime import (
     exit_status,
     peak_memory_gb,
     pick_device,
-    process_groups,
-    release_process_groups,
     report_error,
     to_device,
 )
@@ -463,15 +461,10 @@ def run(cfg: Config) -> int:
     # checkpoints SIGTERM and SIGUSR1 keep their default meaning (terminate) and a Ctrl-C
     # stops at once in one line.
     stop = StopSignal(save=cfg.checkpoint.mode != "none")
-    groups = process_groups()
     try:
-        status = _run(cfg, stop)
+        return _run(cfg, stop)
     finally:
         stop.restore()
-    # The groups this run made (mesh, cp, checkpoint), after a normal end only: a run that
-    # raised may have left a collective in flight, and its process ends anyway.
-    release_process_groups(groups)
-    return status
 
 
 def _run(cfg: Config, stop: StopSignal) -> int:
