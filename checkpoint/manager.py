@@ -70,13 +70,14 @@ older step, or with resume=none, renames the newer step directories of this dire
 `*.abandoned-<time>` (kept, ignored) so the new timeline's saves and pruning never mix with
 them.
 
-Layout (issue 39): this module is the facade train.py, tools/ and the tests call; the work is
-done by checkpoint/resume.py (`Resumer`: find, plan, decide, load, verify, the resumed-loss
-watch) and checkpoint/save.py (`Saver`: when, stage, write, close; `InFlight`: the async saves
-in flight, settled in order; `Committer`: commit, prune, a failed save's error; `SaveRecords`:
-the numbers of every save), which share one checkpoint/context.py `Context` (settings, log, the two gloo groups and their
-collectives). The facade wires what crosses the two sides: the step a resume leaves as saved,
-the pruning hold of the loss watch, and the loss guard (checked before every save).
+Layout: this module is the facade train.py, tools/ and the tests call; the work is done by
+checkpoint/resume.py (`Resumer`: find, plan, decide, load, verify, the resumed-loss watch) and
+checkpoint/save.py (`Saver`: when, stage, write, close; `InFlight`: the async saves in flight,
+settled in order; `Committer`: commit, prune, a failed save's error; `SaveRecords`: the
+numbers of every save), which share one checkpoint/context.py `Context` (settings, log, the
+two gloo groups and their collectives). The facade wires what crosses the two sides: the step
+a resume leaves as saved, the pruning hold of the loss watch, and the loss guard (checked
+before every save).
 """
 
 from __future__ import annotations
