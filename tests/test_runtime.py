@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +192,40 @@ def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
     r = launch(["model=llama3_1b", "train.dry_run=true", f"run.root={tmp_path}"], env=CPU_ENV)
     out = [x for x in r.stdout.splitlines() if x.strip()]
     assert r.returncode == 0 and note.fullmatch(out[0]) and out[1].startswith("dry run: "), out
+
+
+def _two_runs_in_one_process(rank, world_size, root):
+    """train.run twice with the same layout in one process group (as a Hydra multirun's jobs
+    or the test harnesses run it): the second run reuses the first one's mesh (no new mesh
+    groups, so no new NCCL communicators on GPUs) and trains the same losses, bit for bit."""
+    from torch.distributed import distributed_c10d as c10d
+
+    import train
+    from config import compose_config
+    from runlog import read_metrics
+
+    counts, losses = [], []
+    for name in ("a", "b"):
+        cfg = compose_config(
+            [
+                "model=tiny",
+                "model.impl=torch",
+                *TINY_RUN,
+                "parallel=fsdp",
+                "train.steps=3",
+                "checkpoint=none",
+                f"run.root={root}",
+                f"run.name={name}",
+            ]
+        )
+        assert train.run(cfg) == 0
+        counts.append(sum(g.group_desc.startswith("mesh") for g in c10d._world.pg_map))
+        losses.append([m["loss"] for m in read_metrics(Path(root) / name / "metrics.jsonl")])
+    assert counts[1] == counts[0], f"the second run made {counts[1] - counts[0]} mesh groups"
+    assert len(losses[0]) == 3 and losses[1] == losses[0]
+
+
+def test_a_second_run_in_one_process_reuses_the_mesh(tmp_path):
+    from tests.distributed import run_distributed
+
+    run_distributed(_two_runs_in_one_process, 2, str(tmp_path))

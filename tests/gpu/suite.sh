@@ -552,8 +552,8 @@ mt_matrix() {
     mt_needs matrix "resume matrix: 6 layouts + cp=2 x fsdp, cp=2 x tp (4 GPUs)" 4 || return 0
     local pids=() i=-1 job
     # At most MULTITIER_MATRIX_JOBS jobs at once (default 4). All eight at once ran 80 GiB
-    # H100s out of memory: each rank held 9-16 GiB, most likely the NCCL communicators that
-    # every earlier in-process train.run of the job leaves behind (docs/TESTING.md).
+    # H100s out of memory: each rank held 9-16 GiB, most likely the NCCL communicators of a
+    # new mesh per in-process run, which a process now reuses (docs/TESTING.md).
     local at_once=${MULTITIER_MATRIX_JOBS:-4}
     for job in ddp:ddp: fsdp:fsdp: hsdp:hsdp: tp:tp: fsdp_tp:fsdp_tp: hsdp_tp:hsdp_tp: \
                fsdp+cp2:fsdp:parallel.cp=2 tp+cp2:tp:parallel.cp=2; do
