@@ -53,8 +53,7 @@ def _new_mesh(device_type: str, degrees: tuple[int, int, int, int]) -> tuple:
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     weight_shard_mesh = mesh["dp_shard", "cp", "tp"]._flatten("weight_shard")
-    shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    fsdp_mesh = shard_cp
+    fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if degrees[0] > 1:
         # FSDP x TP needs the 2-D (replicate, shard) mesh as a slice of the root mesh, the
         # one the tp mesh comes from; its shard dim is the flattened dp_shard x cp.
@@ -247,7 +246,7 @@ class ParallelDims:
             )
         degrees = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         key = (device_type, degrees)
-        default = dist.distributed_c10d._get_default_group()
+        default = dist.group.WORLD
         cached = _MESHES.get(key)
         if cached is None or cached[0] is not default:
             cached = _MESHES[key] = (default, _new_mesh(device_type, degrees))
