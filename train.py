@@ -141,6 +141,9 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
         activation_checkpointing=p.activation_checkpointing,
         quantized_weights=cfg.recipe.quantized_init,
         accumulating=grad_accum > 1,
+        grad_reduce_step=p.grad_reduce == "step",
+        reduce_bytes=4 if p.reduce_dtype == "fp32" else 2,
+        keep_gathered=not p.reshard_after_forward,
     )
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
     line = f"memory: about {est['total']:.1f} GiB per GPU ({parts})"

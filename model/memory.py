@@ -44,6 +44,9 @@ def estimate_gpu_memory(
     activation_checkpointing: str = "none",
     quantized_weights: bool = False,
     accumulating: bool = False,
+    grad_reduce_step: bool = False,
+    reduce_bytes: int = 4,
+    keep_gathered: bool = False,
 ) -> dict[str, float]:
     """Peak GPU memory of one rank in GiB, by part, before anything is built (the start-up
     estimate of train.py). `shards`: the ranks one weight is split over (dp_shard x cp x tp).
@@ -51,18 +54,23 @@ def estimate_gpu_memory(
     Parts: `states` (fp32 parameters or FP8 ones with fp32 masters, Adam's two moments, and
     the fp32 gradient shards: half of them, which fill in as the backward frees activations,
     or, when `accumulating` micro batches, all of them from the first micro batch's backward
-    on, while later micro batches hold their activations); `activations`
+    on, while later micro batches hold their activations; with `grad_reduce_step` the
+    gradients are instead accumulated unsharded, split only by tp, in the reduce dtype of
+    `reduce_bytes` bytes, and sharded after the last micro batch); `activations`
     of the micro batch's seq_len / cp tokens per rank (per block and token, bf16: the block
     input, the norms' and projections' inputs and outputs, 2 x (6 dim + 2 kv_dim + 3 ffn_dim)
     bytes, with the mode's recomputation: `selective` keeps all but the MLP's fc1 and SwiGLU
     outputs, `mlp` all but the MLP's, `full` the block inputs plus one block's in recompute;
     tensor parallelism divides the head and FFN parts, and with sequence parallelism the rest);
     `weights` (two gathered bf16 blocks and the gathered embedding and head) and `buffers` (the
-    loss's logit chunks). Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
+    loss's logit chunks; with `keep_gathered`, parallel.reshard_after_forward=false, every
+    block's gathered weights stay from its forward to its backward: FP8 bytes with quantized
+    weights, else bf16). Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
     one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1); llama3_8b
     micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs with
     quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full 67.1
-    (67.7); tests/test_model.py holds the table."""
+    (67.7); at global batch 128 with grad_reduce=step, fp32 reduction: fp8_cs + quantized_init
+    115.4 (117.3), bf16 114.1 (113.6); tests/test_model.py holds the table."""
     from model.flops import parameter_count
 
     params = parameter_count(mcfg)
@@ -71,6 +79,8 @@ def estimate_gpu_memory(
     weight_bytes = (1 + 4) if quantized_weights else 4  # FP8 weight + fp32 master, or fp32
     grad_bytes = 4 if accumulating else 2
     states = (weight_bytes + 8 + grad_bytes) * params / shards
+    if accumulating and grad_reduce_step:
+        states += reduce_bytes * params / tp - grad_bytes * params / shards
     tokens = micro_batch * seq_len / cp
     replicated = 2 * 6 * h / (tp if sequence_parallel else 1)  # dim-sized activations
     mlp_out = 2 * 3 * ffn / tp  # fc1 output (gate, up) and SwiGLU output
@@ -86,7 +96,10 @@ def estimate_gpu_memory(
         activations = tokens * layers * block
     block_weights = 2 * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / tp
     heads = 1 if mcfg.tie_embeddings else 2
-    weights = 2 * block_weights + 2 * heads * mcfg.padded_vocab_size * h / tp
+    gathered_blocks = layers if keep_gathered else 2
+    if keep_gathered and quantized_weights:
+        block_weights /= 2  # one FP8 byte an element instead of two
+    weights = gathered_blocks * block_weights + 2 * heads * mcfg.padded_vocab_size * h / tp
     buffers = 2 * 4 * 2**28  # fp32 logits of a loss chunk and their gradient
     parts = dict(states=states, activations=activations, weights=weights, buffers=buffers)
     out = {k: v / GiB for k, v in parts.items()}
