@@ -21,6 +21,9 @@
 #                                         # that trains per layout (cp=1 on 1 GPU, fsdp x2, cp=2, cp=2 + full recompute)
 #   bash tests/gpu/suite.sh peer8b        # 2 GPUs: llama3_8b FSDP seq 8192 against torchtitan v0.2.2 (compiled bf16
 #                                         # and float8) in one call; needs the peer's bundle in .peers/ (docs/PERFORMANCE.md)
+#   bash tests/gpu/suite.sh peer128       # 2 or 4 GPUs: llama3_8b FSDP over 2, seq 8192, global batch 128, torchtitan
+#                                         # (compiled bf16, float8) beside grad_reduce=step + reduce_dtype=bf16
+#                                         # (+ reshard_after_forward=false); two lanes side by side on 4 GPUs
 #   bash tests/gpu/suite.sh cp8b          # 4 GPUs: llama3_8b causal, seq 32k with cp=4 and cp=2 x FSDP 2, bf16 and FP8,
 #                                         # against torchtitan v0.2.2 (compiled, its context parallelism) in one call,
 #                                         # then 8k tokens per GPU at cp=1/2/4 (CP8B_SEQS, CP8B_CPS, CP8B_RECIPES, CP8B_AC)
@@ -372,6 +375,67 @@ PYEOF
 }
 
 # shellcheck disable=SC2329
+p128_lane() {  # devices tt-name "tt args" case...: torchtitan, then each of our cases, on one lane
+    local dev=$1 name=$2 tt_args=() c
+    read -r -a tt_args <<< "$3"
+    shift 3
+    CUDA_VISIBLE_DEVICES=$dev timeout 330 "$PY" .peers/tt_bench.py --tt /tmp/tt --name "$name" --mbs 1 \
+        --nproc 2 --steps 2 --from-step 2 --timeout 320 --jsonl "$OUT/peer128_torchtitan.jsonl" \
+        --logdir "$OUT" -- --model.flavor 8B --compile.enable --activation_checkpoint.mode none \
+        --training.global_batch_size 128 --metrics.log_freq 1 "${tt_args[@]}" > "$OUT/peer128_$name.log" 2>&1
+    for c in "$@"; do
+        CUDA_VISIBLE_DEVICES=$dev "$PY" tools/bench_step.py --nproc 2 --global-batch 128 --steps 2 \
+            --warmup 1 --label "$name" --case "$c" --json "$OUT/peer128_ours.json" >> "$OUT/peer128_$name.log" 2>&1
+    done
+}
+
+# shellcheck disable=SC2329
+peer128() {
+    stage "llama3_8b FSDP on 2 GPUs, seq 8192, global batch 128: torchtitan (compiled) beside the FSDP levers"
+    if [[ ! -f .peers/setup.sh || $NGPU -lt 2 ]]; then
+        echo "peer128: not run: needs 2 GPUs and torchtitan's bundle in .peers/ (docs/PERFORMANCE.md)"; status=1; return
+    fi
+    # shellcheck disable=SC1091  # the peer's bundle, copied in by hand
+    source .peers/setup.sh
+    rm -f "$OUT/peer128_torchtitan.jsonl" "$OUT/peer128_ours.json"
+    local m=llama3_8b:fsdp lv=:none:1@parallel.grad_reduce=step@parallel.reduce_dtype=bf16
+    local keep=@parallel.reshard_after_forward=false
+    local tt_fp8="--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns \
+output --quantize.linear.float8.enable_fsdp_float8_all_gather \
+--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"
+    local fp8_cases=("$m:fp8_cs$lv" "$m:fp8_cs+q$lv" "$m:fp8_cs+q$lv$keep")
+    local bf16_cases=("$m:bf16$lv" "$m:bf16$lv$keep")
+    if [[ $NGPU -ge 4 ]]; then  # two lanes side by side; on 2 GPUs one after the other
+        p128_lane 0,1 tt-float8 "$tt_fp8" "${fp8_cases[@]}" &
+        p128_lane 2,3 tt-bf16 "" "${bf16_cases[@]}" &
+        wait
+    else
+        p128_lane 0,1 tt-float8 "$tt_fp8" "${fp8_cases[@]}"
+        p128_lane 0,1 tt-bf16 "" "${bf16_cases[@]}"
+    fi
+    "$PY" - "$OUT/peer128_torchtitan.jsonl" "$OUT/peer128_ours.json" <<'PYEOF' || status=1
+import json, os, sys
+rows = {}
+for path in sys.argv[1:]:
+    for line in open(path) if os.path.exists(path) else []:
+        r = json.loads(line)
+        rows.setdefault(r.get("label") or r["name"], []).append(r)
+print("| run | tokens/s/GPU | vs torchtitan | peak GiB | vs torchtitan |\n|---|---|---|---|---|")
+for tt in ("tt-float8", "tt-bf16"):
+    ref = next((r for r in rows.get(tt, []) if "runner" in r), None)
+    if ref is None:
+        print(f"| {tt} | not run | | | |")
+        continue
+    speed, mem = ref.get("tokens_per_s_per_gpu") or 0, ref.get("peak_alloc_gib_run") or 0
+    print(f"| {tt} | {speed:,.0f} | 1.00 | {mem} | 1.00 |")
+    for r in (r for r in rows[tt] if "runner" not in r):
+        s, m = r.get("tokens_per_s_per_gpu") or 0, r.get("peak_gib") or 0
+        vs = f"{s / speed:.3f} | {m:.1f} | {m / mem:.3f}" if speed and mem else "| |"
+        print(f"| {r['case']} | {s:,.0f} | {vs} |")
+PYEOF
+}
+
+# shellcheck disable=SC2329
 cp8b() {
     stage "llama3_8b on 4 GPUs, causal attention, context parallelism: torchtitan (compiled) and this recipe, one call"
     if [[ ! -f .peers/setup.sh || $NGPU -lt 4 ]]; then
@@ -657,8 +721,8 @@ multitier() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|cp8b|multitier) "$what" ;;
-        *) echo "usage: $0 single|multi|multitier|ac|peer8b|cp8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|peer128|cp8b|multitier) "$what" ;;
+        *) echo "usage: $0 single|multi|multitier|ac|peer8b|peer128|cp8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
     esac
 done
 exit $status
