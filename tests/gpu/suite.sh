@@ -421,17 +421,22 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         rows.setdefault(r.get("label") or r["name"], []).append(r)
 print("| run | tokens/s/GPU | vs torchtitan | peak GiB | vs torchtitan |\n|---|---|---|---|---|")
+failed = 0
 for tt in ("tt-float8", "tt-bf16"):
     ref = next((r for r in rows.get(tt, []) if "runner" in r), None)
-    if ref is None:
-        print(f"| {tt} | not run | | | |")
-        continue
-    speed, mem = ref.get("tokens_per_s_per_gpu") or 0, ref.get("peak_alloc_gib_run") or 0
-    print(f"| {tt} | {speed:,.0f} | 1.00 | {mem} | 1.00 |")
-    for r in (r for r in rows[tt] if "runner" not in r):
-        s, m = r.get("tokens_per_s_per_gpu") or 0, r.get("peak_gib") or 0
-        vs = f"{s / speed:.3f} | {m:.1f} | {m / mem:.3f}" if speed and mem else "| |"
-        print(f"| {r['case']} | {s:,.0f} | {vs} |")
+    speed, mem = (ref or {}).get("tokens_per_s_per_gpu"), (ref or {}).get("peak_alloc_gib_run")
+    print(f"| {tt} | {speed:,.0f} | 1.00 | {mem} | 1.00 |" if speed else f"| {tt} | not run | | | |")
+    for r in (r for r in rows.get(tt, []) if "runner" not in r):
+        s, m = r.get("tokens_per_s_per_gpu"), r.get("peak_gib")
+        failed += not s
+        if not s:
+            print(f"| {r['case']} | FAILED: {r.get('error', '')} | | | |")
+        elif speed and mem:
+            print(f"| {r['case']} | {s:,.0f} | {s / speed:.3f} | {m:.1f} | {m / mem:.3f} |")
+        else:
+            print(f"| {r['case']} | {s:,.0f} | | {m:.1f} | |")
+    failed += not speed
+sys.exit(1 if failed else 0)
 PYEOF
 }
 
