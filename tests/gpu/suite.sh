@@ -340,22 +340,29 @@ levers() {
         | tail -$((${#cases[@]} + 3)) || status=1
 }
 
+# torchtitan's float8 (torchao tensorwise, FP8 all-gather under FSDP2): the peer stages' flags.
+TT_FP8=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output
+        --quantize.linear.float8.enable_fsdp_float8_all_gather
+        --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+
 # shellcheck disable=SC2329
-peer8b() {
-    stage "llama3_8b FSDP on 2 GPUs, seq 8192, global batch ${PEER_GB:-8}: torchtitan (compiled) and this recipe, one call"
-    if [[ ! -f .peers/setup.sh || $NGPU -lt 2 ]]; then
-        echo "peer8b: not run: needs 2 GPUs and torchtitan's bundle in .peers/ (docs/PERFORMANCE.md)"; status=1; return
+peers_ready() {  # stage GPUs doc: the peer's bundle sourced, or a "not run" line (status 1)
+    if [[ ! -f .peers/setup.sh || $NGPU -lt $2 ]]; then
+        echo "$1: not run: needs $2 GPUs and torchtitan's bundle in .peers/ ($3)"; status=1; return 1
     fi
     # shellcheck disable=SC1091  # the peer's bundle, copied in by hand
     source .peers/setup.sh
+}
+
+# shellcheck disable=SC2329
+peer8b() {
+    stage "llama3_8b FSDP on 2 GPUs, seq 8192, global batch ${PEER_GB:-8}: torchtitan (compiled) and this recipe, one call"
+    peers_ready peer8b 2 docs/PERFORMANCE.md || return
     local gb=${PEER_GB:-8} b=llama3_8b:fsdp name
-    local fp8=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output
-               --quantize.linear.float8.enable_fsdp_float8_all_gather
-               --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
     rm -f "$OUT/peer8b_torchtitan.jsonl"
     for name in bf16 float8; do
         local tt_args=()
-        [[ $name == float8 ]] && tt_args=("${fp8[@]}")
+        [[ $name == float8 ]] && tt_args=("${TT_FP8[@]}")
         timeout 300 "$PY" .peers/tt_bench.py --tt /tmp/tt --name "tt-$name" --mbs 1 --nproc 2 --steps 10 \
             --from-step 4 --timeout 290 --jsonl "$OUT/peer8b_torchtitan.jsonl" --logdir "$OUT" -- \
             --model.flavor 8B --compile.enable --activation_checkpoint.mode none \
@@ -375,9 +382,9 @@ PYEOF
 }
 
 # shellcheck disable=SC2329
-p128_lane() {  # devices tt-name "tt args" case...: torchtitan, then each of our cases, on one lane
+p128_lane() {  # devices tt-name fp8|bf16 case...: torchtitan, then each of our cases, on one lane
     local dev=$1 name=$2 tt_args=() c
-    read -r -a tt_args <<< "$3"
+    [[ $3 == fp8 ]] && tt_args=("${TT_FP8[@]}")
     shift 3
     CUDA_VISIBLE_DEVICES=$dev timeout 330 "$PY" .peers/tt_bench.py --tt /tmp/tt --name "$name" --mbs 1 \
         --nproc 2 --steps 2 --from-step 2 --timeout 320 --jsonl "$OUT/peer128_torchtitan.jsonl" \
@@ -392,26 +399,19 @@ p128_lane() {  # devices tt-name "tt args" case...: torchtitan, then each of our
 # shellcheck disable=SC2329
 peer128() {
     stage "llama3_8b FSDP on 2 GPUs, seq 8192, global batch 128: torchtitan (compiled) beside the FSDP levers"
-    if [[ ! -f .peers/setup.sh || $NGPU -lt 2 ]]; then
-        echo "peer128: not run: needs 2 GPUs and torchtitan's bundle in .peers/ (docs/PERFORMANCE.md)"; status=1; return
-    fi
-    # shellcheck disable=SC1091  # the peer's bundle, copied in by hand
-    source .peers/setup.sh
+    peers_ready peer128 2 docs/PERFORMANCE.md || return
     rm -f "$OUT/peer128_torchtitan.jsonl" "$OUT/peer128_ours.json"
     local m=llama3_8b:fsdp lv=:none:1@parallel.grad_reduce=step@parallel.reduce_dtype=bf16
     local keep=@parallel.reshard_after_forward=false
-    local tt_fp8="--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns \
-output --quantize.linear.float8.enable_fsdp_float8_all_gather \
---quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"
     local fp8_cases=("$m:fp8_cs$lv" "$m:fp8_cs+q$lv" "$m:fp8_cs+q$lv$keep")
     local bf16_cases=("$m:bf16$lv" "$m:bf16$lv$keep")
     if [[ $NGPU -ge 4 ]]; then  # two lanes side by side; on 2 GPUs one after the other
-        p128_lane 0,1 tt-float8 "$tt_fp8" "${fp8_cases[@]}" &
-        p128_lane 2,3 tt-bf16 "" "${bf16_cases[@]}" &
+        p128_lane 0,1 tt-float8 fp8 "${fp8_cases[@]}" &
+        p128_lane 2,3 tt-bf16 bf16 "${bf16_cases[@]}" &
         wait
     else
-        p128_lane 0,1 tt-float8 "$tt_fp8" "${fp8_cases[@]}"
-        p128_lane 0,1 tt-bf16 "" "${bf16_cases[@]}"
+        p128_lane 0,1 tt-float8 fp8 "${fp8_cases[@]}"
+        p128_lane 0,1 tt-bf16 bf16 "${bf16_cases[@]}"
     fi
     "$PY" - "$OUT/peer128_torchtitan.jsonl" "$OUT/peer128_ours.json" <<'PYEOF' || status=1
 import json, os, sys
@@ -443,14 +443,7 @@ PYEOF
 # shellcheck disable=SC2329
 cp8b() {
     stage "llama3_8b on 4 GPUs, causal attention, context parallelism: torchtitan (compiled) and this recipe, one call"
-    if [[ ! -f .peers/setup.sh || $NGPU -lt 4 ]]; then
-        echo "cp8b: not run: needs 4 GPUs and torchtitan's bundle in .peers/ (docs/CONTEXT_PARALLEL.md)"; status=1; return
-    fi
-    # shellcheck disable=SC1091  # the peer's bundle, copied in by hand
-    source .peers/setup.sh
-    local fp8=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output
-               --quantize.linear.float8.enable_fsdp_float8_all_gather
-               --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+    peers_ready cp8b 4 docs/CONTEXT_PARALLEL.md || return
     local ac=${CP8B_AC:-none} seq cp recipe gb tt_args ours eager=""
     # torchtitan's trainer for one row: name, then its extra flags (seq, cp, gb, ac, tt_args
     # from the loop below).
@@ -469,7 +462,7 @@ cp8b() {
             gb=$((4 / cp))
             for recipe in ${CP8B_RECIPES:-bf16 fp8}; do
                 tt_args=(); ours=bf16
-                [[ $recipe == fp8 ]] && { tt_args=("${fp8[@]}"); ours=fp8_cs+q; }
+                [[ $recipe == fp8 ]] && { tt_args=("${TT_FP8[@]}"); ours=fp8_cs+q; }
                 # Compiled, as torchtitan is measured elsewhere; should its compile fail under cp
                 # (not out of memory), this and the later peer rows run uncompiled, named -eager.
                 if [[ -z $eager ]] && ! cp8b_peer "tt-$recipe-$seq-cp$cp" --compile.enable; then
