@@ -67,6 +67,7 @@ from optim import apply_config, build_optimizer, build_scheduler
 from overrides import check_flags, check_overrides
 from parallel import ParallelDims, parallelize
 from parallel.cp import check_cp, token_align
+from parallel.dims import DTYPES
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
 from recipes.switch import label, recipe_for_step, resolve_switches
@@ -142,7 +143,7 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
         quantized_weights=cfg.recipe.quantized_init,
         accumulating=grad_accum > 1,
         grad_reduce_step=p.grad_reduce == "step",
-        reduce_bytes=4 if p.reduce_dtype == "fp32" else 2,
+        reduce_bytes=DTYPES[p.reduce_dtype].itemsize,
         keep_gathered=not p.reshard_after_forward,
     )
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")

@@ -77,10 +77,11 @@ def estimate_gpu_memory(
     h, layers, ffn = mcfg.dim, mcfg.n_layers, mcfg.ffn_dim
     kv = mcfg.n_kv_heads * mcfg.head_dim
     weight_bytes = (1 + 4) if quantized_weights else 4  # FP8 weight + fp32 master, or fp32
-    grad_bytes = 4 if accumulating else 2
-    states = (weight_bytes + 8 + grad_bytes) * params / shards
     if accumulating and grad_reduce_step:
-        states += reduce_bytes * params / tp - grad_bytes * params / shards
+        grads = reduce_bytes * params / tp  # unsharded, in the reduce dtype
+    else:
+        grads = (4 if accumulating else 2) * params / shards  # fp32 shards (all, or half)
+    states = (weight_bytes + 8) * params / shards + grads
     tokens = micro_batch * seq_len / cp
     replicated = 2 * 6 * h / (tp if sequence_parallel else 1)  # dim-sized activations
     mlp_out = 2 * 3 * ffn / tp  # fc1 output (gate, up) and SwiGLU output
@@ -94,11 +95,10 @@ def estimate_gpu_memory(
         activations = tokens * (layers * (block - mlp_out) + mlp_out)
     else:
         activations = tokens * layers * block
-    block_weights = 2 * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / tp
+    gathered_bytes = 1 if keep_gathered and quantized_weights else 2  # FP8 or bf16
+    block_weights = gathered_bytes * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / tp
     heads = 1 if mcfg.tie_embeddings else 2
     gathered_blocks = layers if keep_gathered else 2
-    if keep_gathered and quantized_weights:
-        block_weights /= 2  # one FP8 byte an element instead of two
     weights = gathered_blocks * block_weights + 2 * heads * mcfg.padded_vocab_size * h / tp
     buffers = 2 * 4 * 2**28  # fp32 logits of a loss chunk and their gradient
     parts = dict(states=states, activations=activations, weights=weights, buffers=buffers)

@@ -35,6 +35,14 @@ from model.config import ModelConfig
 from parallel.ac import check_mode
 from parallel.config import ParallelConfig
 
+DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: TE's context-parallel communication types (parallel.cp_comm_type).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+#: parallel.grad_reduce: after every micro batch, or once per optimizer step.
+GRAD_REDUCE = ("micro_batch", "step")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
+
 #: One mesh per (device type, degrees) and default process group in a process. A process that
 #: runs train.run again with the same layout (a Hydra multirun's jobs, the test harnesses)
 #: reuses it: a new mesh would make new process groups each time, and every earlier run's
@@ -61,15 +69,6 @@ def _new_mesh(device_type: str, degrees: tuple[int, int, int, int]) -> tuple:
             warnings.simplefilter("ignore")
             fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
     return mesh, dp_mesh, loss_mesh, weight_shard_mesh, fsdp_mesh
-
-
-DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
-#: TE's context-parallel communication types (parallel.cp_comm_type).
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-#: parallel.grad_reduce: after every micro batch, or once per optimizer step.
-GRAD_REDUCE = ("micro_batch", "step")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 
 
 def dtype_of(name: str, field: str) -> torch.dtype:
