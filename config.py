@@ -118,6 +118,10 @@ class TrainConfig:
         )
 
 
+#: optim.moment_dtype: the dtypes TE FusedAdam keeps Adam's moments in (here).
+MOMENT_DTYPES = ("fp32", "bf16")
+
+
 @dataclass
 class OptimConfig:
     #: adamw: torch AdamW for the reference implementation, TE FusedAdam for TE.
@@ -142,9 +146,17 @@ class OptimConfig:
     #: lr * min_lr_ratio. null: train.steps. Set it to the old train.steps to extend a run
     #: without changing its schedule (docs/RUNS.md).
     schedule_steps: int | None = None
+    #: dtype of Adam's two moments: fp32 | bf16 (TE FusedAdam only: half their memory, 4
+    #: bytes a parameter less; the update is still computed in fp32, but the moments are
+    #: rounded to bf16 after every step, a numerics change). Checkpoints hold them in fp32.
+    moment_dtype: str = "fp32"
 
     def validate(self) -> None:
         require(self.name == "adamw", f"optim.name={self.name!r} is not supported; use adamw")
+        require(
+            self.moment_dtype in MOMENT_DTYPES,
+            f"optim.moment_dtype={self.moment_dtype!r} is not one of {', '.join(MOMENT_DTYPES)}",
+        )
         require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
         require(
             0 <= self.min_lr_ratio <= 1,
@@ -447,6 +459,7 @@ RESUME_FREE = (
     "parallel.cp_comm_type",
     "parallel.cp_a2a_size",
     "parallel.reshard_after_forward",
+    "parallel.keep_gathered_blocks",
     "parallel.sequence_parallel",
     "parallel.activation_checkpointing",
     "parallel.activation_checkpointing_every",

@@ -26,15 +26,25 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimConfig, impl: str, fused_adam_kwargs: dict | None = None
 ) -> torch.optim.Optimizer:
-    """torch AdamW for the reference; TE FusedAdam (DTensor-aware, optional fp32 master
-    weights for quantized parameters) for the TE implementation."""
+    """torch AdamW for the reference (fp32 moments: train.check_config refuses others); TE
+    FusedAdam (DTensor-aware, optional fp32 master weights for quantized parameters, moments
+    in optim.moment_dtype) for the TE implementation."""
     groups = param_groups(model, cfg.weight_decay)
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if impl == "te":
         from transformer_engine.pytorch.optimizers import FusedAdam
 
-        return FusedAdam(groups, adam_w_mode=True, **common, **(fused_adam_kwargs or {}))
+        kwargs = {**moment_kwargs(cfg), **(fused_adam_kwargs or {})}
+        return FusedAdam(groups, adam_w_mode=True, **common, **kwargs)
     return torch.optim.AdamW(groups, **common)
+
+
+def moment_kwargs(cfg: OptimConfig) -> dict:
+    """FusedAdam's dtypes for Adam's moments (names as in TE 2.20.2's fused_adam.py). With both
+    in bf16 its kernel reads and writes them directly (no fp32 copies, no per-tensor scale)."""
+    if cfg.moment_dtype == "fp32":
+        return {}
+    return {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):

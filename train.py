@@ -108,6 +108,11 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             "model.impl=te needs a CUDA GPU and transformer_engine "
             "(pip install 'transformer-engine[pytorch]'); use model.impl=torch or auto"
         )
+    if cfg.optim.moment_dtype != "fp32" and impl != "te":
+        raise ConfigError(
+            f"optim.moment_dtype={cfg.optim.moment_dtype} needs TE's FusedAdam (model.impl=te); "
+            "the reference implementation's torch AdamW keeps fp32 moments: set it to fp32"
+        )
     p = cfg.parallel
     check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, p.cp_a2a_size)
     check_determinism(cfg.train.deterministic, impl, cfg.data.document_mask, device)
@@ -144,7 +149,8 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
         accumulating=grad_accum > 1,
         grad_reduce_step=p.grad_reduce == "step",
         reduce_bytes=DTYPES[p.reduce_dtype].itemsize,
-        keep_gathered=not p.reshard_after_forward,
+        kept_blocks=cfg.model.n_layers if not p.reshard_after_forward else p.keep_gathered_blocks,
+        moment_bytes=DTYPES[cfg.optim.moment_dtype].itemsize,
     )
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")
     line = f"memory: about {est['total']:.1f} GiB per GPU ({parts})"

@@ -46,12 +46,14 @@ def estimate_gpu_memory(
     accumulating: bool = False,
     grad_reduce_step: bool = False,
     reduce_bytes: int = 4,
-    keep_gathered: bool = False,
+    kept_blocks: int = 1,
+    moment_bytes: int = 4,
 ) -> dict[str, float]:
     """Peak GPU memory of one rank in GiB, by part, before anything is built (the start-up
     estimate of train.py). `shards`: the ranks one weight is split over (dp_shard x cp x tp).
 
-    Parts: `states` (fp32 parameters or FP8 ones with fp32 masters, Adam's two moments, and
+    Parts: `states` (fp32 parameters or FP8 ones with fp32 masters, Adam's two moments of
+    `moment_bytes` each (optim.moment_dtype), and
     the fp32 gradient shards: half of them, which fill in as the backward frees activations,
     or, when `accumulating` micro batches, all of them from the first micro batch's backward
     on, while later micro batches hold their activations; with `grad_reduce_step` the
@@ -63,14 +65,17 @@ def estimate_gpu_memory(
     outputs, `mlp` all but the MLP's, `full` the block inputs plus one block's in recompute;
     tensor parallelism divides the head and FFN parts, and with sequence parallelism the rest);
     `weights` (two gathered bf16 blocks and the gathered embedding and head) and `buffers` (the
-    loss's logit chunks; with `keep_gathered`, parallel.reshard_after_forward=false, every
-    block's gathered weights stay from its forward to its backward: FP8 bytes with quantized
-    weights, else bf16). Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
+    loss's logit chunks). `kept_blocks`: the blocks whose gathered weights stay from their
+    forward to their backward (1, the last, by default; all of them with
+    parallel.reshard_after_forward=false; parallel.keep_gathered_blocks otherwise): FP8 bytes
+    with quantized weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
     one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1); llama3_8b
     micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs with
     quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full 67.1
     (67.7); at global batch 128 with grad_reduce=step, fp32 reduction: fp8_cs + quantized_init
-    115.4 (117.3), bf16 114.1 (113.6); tests/test_model.py holds the table."""
+    115.4 (117.3), bf16 114.1 (113.6); with bf16 reduction, every block kept gathered and
+    optim.moment_dtype=bf16: fp8_cs + quantized_init 92.8 (93.1), the same with selective
+    recomputation 73.3 (72.7), bf16 97.8 (95.8); tests/test_model.py holds the table."""
     from model.flops import parameter_count
 
     params = parameter_count(mcfg)
@@ -81,7 +86,7 @@ def estimate_gpu_memory(
         grads = reduce_bytes * params / tp  # unsharded, in the reduce dtype
     else:
         grads = (4 if accumulating else 2) * params / shards  # fp32 shards (all, or half)
-    states = (weight_bytes + 8) * params / shards + grads
+    states = (weight_bytes + 2 * moment_bytes) * params / shards + grads
     tokens = micro_batch * seq_len / cp
     replicated = 2 * 6 * h / (tp if sequence_parallel else 1)  # dim-sized activations
     mlp_out = 2 * 3 * ffn / tp  # fc1 output (gate, up) and SwiGLU output
@@ -95,10 +100,11 @@ def estimate_gpu_memory(
         activations = tokens * (layers * (block - mlp_out) + mlp_out)
     else:
         activations = tokens * layers * block
-    gathered_bytes = 1 if keep_gathered and quantized_weights else 2  # FP8 or bf16
+    kept = min(layers, max(1, kept_blocks))
+    gathered_bytes = 1 if kept > 1 and quantized_weights else 2  # FP8 or bf16
     block_weights = gathered_bytes * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / tp
     heads = 1 if mcfg.tie_embeddings else 2
-    gathered_blocks = layers if keep_gathered else 2
+    gathered_blocks = min(layers, kept + 1)  # the kept ones and the one in flight
     weights = gathered_blocks * block_weights + 2 * heads * mcfg.padded_vocab_size * h / tp
     buffers = 2 * 4 * 2**28  # fp32 logits of a loss chunk and their gradient
     parts = dict(states=states, activations=activations, weights=weights, buffers=buffers)

@@ -30,6 +30,11 @@ class ParallelConfig:
     cp_a2a_size: int | None = None
     #: FSDP2: free the all-gathered weights after forward (re-gather in backward).
     reshard_after_forward: bool = True
+    #: FSDP2 with reshard_after_forward=true: the last N blocks keep their gathered weights
+    #: from forward to backward anyway (one all-gather less each per micro batch; N blocks'
+    #: gathered weights more memory at the peak). 0: only the last block, whose backward
+    #: follows its forward at once. A finer step between true and false.
+    keep_gathered_blocks: int = 0
     #: FSDP2 mixed precision: dtype of the all-gathered params (bf16 | fp16 | fp32).
     param_dtype: str = "bf16"
     #: FSDP2 mixed precision: dtype of the gradient reduction (fp32 | bf16 | fp16; bf16 is

@@ -143,6 +143,11 @@ class ParallelDims:
                 "HSDP needs dp_replicate > 1; raise it or use parallel=fsdp"
             )
         check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)
+        if cfg.keep_gathered_blocks < 0:
+            raise ConfigError(
+                f"parallel.keep_gathered_blocks={cfg.keep_gathered_blocks} must be >= 0 (the "
+                "last N blocks keep their gathered weights; 0: only the last)"
+            )
         dtype_of(cfg.param_dtype, "param_dtype")
         dtype_of(cfg.reduce_dtype, "reduce_dtype")
         if cfg.grad_reduce not in GRAD_REDUCE:

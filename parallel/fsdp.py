@@ -56,11 +56,11 @@ def apply_fsdp(
     common = {"mesh": mesh, "mp_policy": policy}
     if dims.tp_enabled:
         common["shard_placement_fn"] = fsdp_shard_placement
-    last = len(model.layers) - 1
+    # The last block's backward runs right after its forward: resharding it in between would
+    # only gather the same weights again. keep_gathered_blocks extends that to the last N.
+    first_kept = len(model.layers) - max(1, pcfg.keep_gathered_blocks)
     for i, block in enumerate(model.layers):
-        # The last block's backward runs right after its forward: resharding it in between
-        # would only gather the same weights again.
-        reshard = pcfg.reshard_after_forward and i != last
+        reshard = pcfg.reshard_after_forward and i < first_kept
         fully_shard(block, reshard_after_forward=reshard, **common)
     if getattr(model, "lm_head", None) is not None:
         fully_shard(model.embed, reshard_after_forward=pcfg.reshard_after_forward, **common)

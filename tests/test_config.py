@@ -106,6 +106,17 @@ BAD = [
     (["model.n_heads=3"], 1, "model.dim=128 must be divisible by model.n_heads=3"),
     (["model.n_kv_heads=3"], 1, "model.n_heads=4 must be divisible by model.n_kv_heads=3"),
     (["optim.warmup_steps=-5"], 1, "optim.warmup_steps=-5 must be >= 0"),
+    (["optim.moment_dtype=fp16"], 1, "optim.moment_dtype='fp16' is not one of fp32, bf16"),
+    (
+        ["optim.moment_dtype=bf16", "model.impl=torch"],
+        1,
+        "optim.moment_dtype=bf16 needs TE's FusedAdam (model.impl=te)",
+    ),
+    (
+        ["parallel.keep_gathered_blocks=-1"],
+        1,
+        "parallel.keep_gathered_blocks=-1 must be >= 0",
+    ),
     (["checkpoint.mode=sometimes"], 1, "checkpoint.mode='sometimes' is not one of"),
     (["logger.wandb.mode=maybe"], 1, "logger.wandb.mode='maybe' is not one of"),
     (["data=hf"], 1, "data.path is required with data=hf"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -225,23 +226,32 @@ def test_mesh_groups():
 # ---- DCP with fc1's two-block tp shards (checkpoint/planners.py) ------------------------------------
 
 
+def _sharded_model(cfg, pcfg, world, seed, mixed_precision=False):
+    """The reference model built as train.py builds it: on meta, parallelized over `world`
+    gloo ranks, then materialized and initialized. Returns (model, dims)."""
+    from model.init import init_weights
+
+    dims = ParallelDims(pcfg, world)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    parallelize(model, dims, pcfg, "torch", mixed_precision=mixed_precision)
+    model.to_empty(device="cpu")
+    model.reset_buffers()
+    init_weights(model, cfg, seed=seed)
+    return model, dims
+
+
 def _dcp_model(world, kw, seed, steps):
     from model.init import init_weights
     from tests.test_parallel_matrix import batches, tiny_cfg, train
 
     cfg = tiny_cfg()
     if world > 1:
-        pcfg = ParallelConfig(**kw)
-        dims = ParallelDims(pcfg, world)
-        dims.build_mesh("cpu")
-        with torch.device("meta"):
-            model = Llama(cfg)
-        parallelize(model, dims, pcfg, "torch", mixed_precision=False)
-        model.to_empty(device="cpu")
-        model.reset_buffers()
+        model, dims = _sharded_model(cfg, ParallelConfig(**kw), world, seed)
     else:
         model = Llama(cfg)
-    init_weights(model, cfg, seed)
+        init_weights(model, cfg, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if steps:  # one step creates the optimizer states that the checkpoint carries
         dp = (dims.dp_rank, dims.dp_size, dims.dp_group) if world > 1 else ()
@@ -529,20 +539,11 @@ def test_a2a_p2p_groups_follow_te_rank_numbering():
 
 
 def _rope_angles_reach_blocks_in_fp32(rank, world_size):
-    from model.init import init_weights
     from tests.test_parallel_matrix import tiny_cfg
 
     cfg = tiny_cfg()
-    pcfg = ParallelConfig()
-    dims = ParallelDims(pcfg, world_size)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Llama(cfg)
     # The GPU policy (bf16 gathers); FSDP2 runs it on CPU too.
-    parallelize(model, dims, pcfg, "torch", mixed_precision=True)
-    model.to_empty(device="cpu")
-    model.reset_buffers()
-    init_weights(model, cfg, seed=1)
+    model, _ = _sharded_model(cfg, ParallelConfig(), world_size, 1, mixed_precision=True)
     seen = []
     model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args))
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
@@ -556,3 +557,48 @@ def _rope_angles_reach_blocks_in_fp32(rank, world_size):
 
 def test_mixed_precision_keeps_rope_angles_fp32():
     run_distributed(_rope_angles_reach_blocks_in_fp32, 2)
+
+
+# ---- parallel.keep_gathered_blocks: which blocks stay gathered between forward and backward --
+
+
+def _kept_blocks_and_grads(rank, world_size, overrides: dict):
+    from torch.distributed.tensor import DTensor
+
+    from tests.test_parallel_matrix import tiny_cfg
+
+    cfg = dataclasses.replace(tiny_cfg(), n_layers=4)
+    model, _ = _sharded_model(cfg, ParallelConfig(**overrides), world_size, 1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens, tokens)
+    # Between forward and backward a resharded block holds its DTensor shards again; a kept
+    # one still holds the gathered (plain) weights.
+    kept = [
+        i
+        for i, block in enumerate(model.layers)
+        if not any(isinstance(p, DTensor) for p in block.parameters())
+    ]
+    loss.backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    return kept, grads
+
+
+def _keep_gathered_blocks(rank, world_size):
+    base_kept, base_grads = _kept_blocks_and_grads(rank, world_size, {})
+    kept2, grads2 = _kept_blocks_and_grads(rank, world_size, {"keep_gathered_blocks": 2})
+    all_kept, grads_all = _kept_blocks_and_grads(rank, world_size, {"reshard_after_forward": False})
+    assert base_kept == [3]  # only the last of the 4 blocks, as always
+    assert kept2 == [2, 3]
+    assert all_kept == [0, 1, 2, 3]
+    # Where the weights are gathered changes no gradient.
+    for a, b, c in zip(base_grads, grads2, grads_all):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_keep_gathered_blocks_keeps_the_last_n_and_changes_no_gradient():
+    run_distributed(_keep_gathered_blocks, 2)
+
+
+def test_keep_gathered_blocks_below_zero_is_one_line():
+    with pytest.raises(ConfigError, match=r"parallel.keep_gathered_blocks=-1 must be >= 0"):
+        ParallelDims(ParallelConfig(keep_gathered_blocks=-1), 2)

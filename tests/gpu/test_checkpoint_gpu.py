@@ -396,3 +396,70 @@ def test_fused_adam_reshards_2_to_1_gpus(tmp_path):
 
     mp.spawn(_reshard_worker, args=(2, str(tmp_path), "save"), nprocs=2)
     mp.spawn(_reshard_worker, args=(1, str(tmp_path), "load"), nprocs=1)
+
+
+# -- 6. optim.moment_dtype=bf16: FusedAdam's moments in bf16, resumed exactly ---------------------
+
+
+def _moments_setup(seed: int, moment_dtype: str):
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+
+    from checkpoint import TrainState, training_state
+    from config import OptimConfig
+    from optim import build_optimizer
+
+    torch.manual_seed(seed)
+    # With biases: build_optimizer's second group (1-D parameters) must not be empty, as in the
+    # model (its norms); DCP's optimizer loading cannot map an empty group.
+    model = torch.nn.Sequential(te.Linear(DIM, DIM), te.Linear(DIM, DIM))
+    fully_shard(model, mesh=_mesh("dp_shard"))
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.0, moment_dtype=moment_dtype)
+    opt = build_optimizer(model, cfg, "te")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loader, train_state = _Loader(), TrainState()
+    state = training_state(model, opt, sched, loader, train_state)
+
+    def step(i: int) -> float:
+        x = loader.batch()
+        loss, _ = train_step(model, opt, x, x, scheduler=sched, loss_fn=_square_mean)
+        train_state.step = i
+        return loss.item()
+
+    return model, opt, state, step
+
+
+def _local_weights(model) -> list[torch.Tensor]:
+    return [p._local_tensor.detach().clone() for p in model.parameters()]
+
+
+def test_bf16_moments_are_bf16_resume_exactly_and_track_fp32(pg, tmp_path):
+    model, opt, state, step = _moments_setup(0, "bf16")
+    for i in range(1, 4):
+        step(i)
+    moments = [s[k]._local_tensor for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(m.dtype == torch.bfloat16 for m in moments)
+    ckpt = _manager(tmp_path)
+    ckpt.save(3, state)
+    ckpt.finish(3, state, save=False)
+    saved = [m.clone() for m in moments]
+    losses = [step(i) for i in range(4, 8)]
+    weights = _local_weights(model)
+
+    # A fresh run resumed from step 3 gets the same bf16 moments back (saved as fp32, which
+    # holds every bf16 value exactly) and continues bit for bit.
+    model2, opt2, state2, step2 = _moments_setup(1, "bf16")
+    assert _manager(tmp_path).resume(state2) == 3
+    moments2 = [s[k]._local_tensor for s in opt2.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(moments2, saved))
+    assert [step2(i) for i in range(4, 8)] == losses
+    assert all(torch.equal(a, b) for a, b in zip(_local_weights(model2), weights))
+
+    # Against fp32 moments from the same start: the same training to bf16 rounding, not
+    # bit-identical (the moments really are rounded).
+    model3, _, _, step3 = _moments_setup(0, "fp32")
+    reference = [step3(i) for i in range(1, 8)]
+    assert reference[3:] != losses
+    assert reference[3:] == pytest.approx(losses, rel=2e-2)
+    for got, want in zip(weights, _local_weights(model3)):
+        assert (got.float() - want.float()).abs().max() < 2e-2 * want.float().abs().max()
