@@ -53,29 +53,28 @@ def estimate_gpu_memory(
     estimate of train.py). `shards`: the ranks one weight is split over (dp_shard x cp x tp).
 
     Parts: `states` (fp32 parameters or FP8 ones with fp32 masters, Adam's two moments of
-    `moment_bytes` each (optim.moment_dtype), and
-    the fp32 gradient shards: half of them, which fill in as the backward frees activations,
-    or, when `accumulating` micro batches, all of them from the first micro batch's backward
-    on, while later micro batches hold their activations; with `grad_reduce_step` the
-    gradients are instead accumulated unsharded, split only by tp, in the reduce dtype of
-    `reduce_bytes` bytes, and sharded after the last micro batch); `activations`
-    of the micro batch's seq_len / cp tokens per rank (per block and token, bf16: the block
-    input, the norms' and projections' inputs and outputs, 2 x (6 dim + 2 kv_dim + 3 ffn_dim)
-    bytes, with the mode's recomputation: `selective` keeps all but the MLP's fc1 and SwiGLU
-    outputs, `mlp` all but the MLP's, `full` the block inputs plus one block's in recompute;
-    tensor parallelism divides the head and FFN parts, and with sequence parallelism the rest);
-    `weights` (two gathered bf16 blocks and the gathered embedding and head) and `buffers` (the
-    loss's logit chunks). `kept_blocks`: the blocks whose gathered weights stay from their
-    forward to their backward (1, the last, by default; all of them with
+    `moment_bytes` each (optim.moment_dtype), and the fp32 gradient shards: half of them, which
+    fill in as the backward frees activations, or, when `accumulating` micro batches, all of
+    them from the first micro batch's backward on, while later micro batches hold their
+    activations; with `grad_reduce_step` the gradients are instead accumulated unsharded, split
+    only by tp, in the reduce dtype of `reduce_bytes` bytes, and sharded after the last micro
+    batch); `activations` of the micro batch's seq_len / cp tokens per rank (per block and
+    token, bf16: the block input, the norms' and projections' inputs and outputs, 2 x (6 dim + 2
+    kv_dim + 3 ffn_dim) bytes, with the mode's recomputation: `selective` keeps all but the
+    MLP's fc1 and SwiGLU outputs, `mlp` all but the MLP's, `full` the block inputs plus one
+    block's in recompute; tensor parallelism divides the head and FFN parts, and with sequence
+    parallelism the rest); `weights` (two gathered bf16 blocks and the gathered embedding and
+    head) and `buffers` (the loss's logit chunks). `kept_blocks`: the blocks whose gathered
+    weights stay from their forward to their backward (1, the last, by default; all of them with
     parallel.reshard_after_forward=false; parallel.keep_gathered_blocks otherwise): FP8 bytes
-    with quantized weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on
-    one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1); llama3_8b
-    micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs with
-    quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full 67.1
-    (67.7); at global batch 128 with grad_reduce=step, fp32 reduction: fp8_cs + quantized_init
-    115.4 (117.3), bf16 114.1 (113.6); with bf16 reduction, every block kept gathered and
-    optim.moment_dtype=bf16: fp8_cs + quantized_init 92.8 (93.1), the same with selective
-    recomputation 73.3 (72.7), bf16 97.8 (95.8); tests/test_model.py holds the table."""
+    with quantized weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro
+    batch 4 on one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1);
+    llama3_8b micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs
+    with quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full
+    67.1 (67.7); at global batch 128 with grad_reduce=step, fp32 reduction: fp8_cs +
+    quantized_init 115.4 (117.3), bf16 114.1 (113.6); with bf16 reduction, every block kept
+    gathered and optim.moment_dtype=bf16: fp8_cs + quantized_init 92.8 (93.1), the same with
+    selective recomputation 73.3 (72.7), bf16 97.8 (95.8); tests/test_model.py holds the table."""
     from model.flops import parameter_count
 
     params = parameter_count(mcfg)
