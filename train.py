@@ -149,7 +149,7 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
         accumulating=grad_accum > 1,
         grad_reduce_step=p.grad_reduce == "step",
         reduce_bytes=DTYPES[p.reduce_dtype].itemsize,
-        kept_blocks=cfg.model.n_layers if not p.reshard_after_forward else p.keep_gathered_blocks,
+        kept_blocks=p.blocks_kept_gathered(cfg.model.n_layers),
         moment_bytes=DTYPES[cfg.optim.moment_dtype].itemsize,
     )
     parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items() if k != "total")

@@ -65,9 +65,8 @@ def estimate_gpu_memory(
     block's in recompute; tensor parallelism divides the head and FFN parts, and with sequence
     parallelism the rest); `weights` (two gathered bf16 blocks and the gathered embedding and
     head) and `buffers` (the loss's logit chunks). `kept_blocks`: the blocks whose gathered
-    weights stay from their forward to their backward (1, the last, by default; all of them with
-    parallel.reshard_after_forward=false; parallel.keep_gathered_blocks otherwise): FP8 bytes
-    with quantized weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro
+    weights stay from their forward to their backward (ParallelConfig.blocks_kept_gathered; 1,
+    the last, by default): FP8 bytes with quantized weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro
     batch 4 on one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1);
     llama3_8b micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs
     with quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full
@@ -99,11 +98,10 @@ def estimate_gpu_memory(
         activations = tokens * (layers * (block - mlp_out) + mlp_out)
     else:
         activations = tokens * layers * block
-    kept = min(layers, max(1, kept_blocks))
-    gathered_bytes = 1 if kept > 1 and quantized_weights else 2  # FP8 or bf16
+    gathered_bytes = 1 if kept_blocks > 1 and quantized_weights else 2  # FP8 or bf16
     block_weights = gathered_bytes * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / tp
     heads = 1 if mcfg.tie_embeddings else 2
-    gathered_blocks = min(layers, kept + 1)  # the kept ones and the one in flight
+    gathered_blocks = min(layers, kept_blocks + 1)  # the kept ones and the one in flight
     weights = gathered_blocks * block_weights + 2 * heads * mcfg.padded_vocab_size * h / tp
     buffers = 2 * 4 * 2**28  # fp32 logits of a loss chunk and their gradient
     parts = dict(states=states, activations=activations, weights=weights, buffers=buffers)

@@ -58,3 +58,11 @@ class ParallelConfig:
     #: before it creates its process groups), so communication kernels are scheduled ahead
     #: of the compute kernels they overlap with. No effect on gloo (CPU).
     nccl_high_priority: bool = False
+
+    def blocks_kept_gathered(self, n_layers: int) -> int:
+        """How many of the last blocks keep their gathered weights from forward to backward:
+        all of them without reshard_after_forward, else keep_gathered_blocks and at least the
+        last one (apply_fsdp and the start-up memory estimate both read it here)."""
+        if not self.reshard_after_forward:
+            return n_layers
+        return min(n_layers, max(1, self.keep_gathered_blocks))

@@ -58,10 +58,9 @@ def apply_fsdp(
         common["shard_placement_fn"] = fsdp_shard_placement
     # The last block's backward runs right after its forward: resharding it in between would
     # only gather the same weights again. keep_gathered_blocks extends that to the last N.
-    first_kept = len(model.layers) - max(1, pcfg.keep_gathered_blocks)
+    first_kept = len(model.layers) - pcfg.blocks_kept_gathered(len(model.layers))
     for i, block in enumerate(model.layers):
-        reshard = pcfg.reshard_after_forward and i < first_kept
-        fully_shard(block, reshard_after_forward=reshard, **common)
+        fully_shard(block, reshard_after_forward=i < first_kept, **common)
     if getattr(model, "lm_head", None) is not None:
         fully_shard(model.embed, reshard_after_forward=pcfg.reshard_after_forward, **common)
     # The root is needed again right at the start of backward: never reshard it after forward.
