@@ -15,6 +15,7 @@ None.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -115,6 +116,7 @@ def train_step(
     loss_fn=next_token_loss,
     documents: Documents | None = None,
     reduce_each_micro_batch: bool = True,
+    hold_gathered: Sequence[torch.nn.Module] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's rows: forward and backward over `grad_accum` micro
     batches, clip, step, zero the gradients, advance the schedule. Returns (loss, grad_norm)
@@ -122,13 +124,20 @@ def train_step(
     averages it over data-parallel ranks when it logs. `documents`: the document boundaries
     of `inputs` (CPU, data.documents), split into micro batches as the inputs are.
     `reduce_each_micro_batch=False` (parallel.grad_reduce=step): an FSDP2 model reduces its
-    gradients once, in the last micro batch's backward, the earlier ones summed unsharded."""
+    gradients once, in the last micro batch's backward, the earlier ones summed unsharded.
+    `hold_gathered`: FSDP2 units (parallel.fsdp.gathered_units) that keep their gathered
+    weights from the first micro batch's forward to the last one's backward: one all-gather
+    each per step instead of one per micro batch."""
     step_loss = torch.zeros((), device=inputs.device)
     once = not reduce_each_micro_batch and grad_accum > 1 and isinstance(model, FSDPModule)
+    hold = [u for u in hold_gathered if isinstance(u, FSDPModule)] if grad_accum > 1 else []
     micro = split_micro_batches(inputs, labels, documents, grad_accum, inputs.device)
     for i, (x, y, d) in enumerate(micro):
+        last = i == len(micro) - 1
         if once:  # every FSDP unit of the model; True again for the last micro batch
-            model.set_requires_gradient_sync(i == len(micro) - 1)
+            model.set_requires_gradient_sync(last)
+        for unit in hold:  # resharded after the last backward, before the optimizer step
+            unit.set_reshard_after_backward(last, recurse=False)
         with autocast if autocast is not None else nullcontext():
             loss = micro_batch_loss(loss_fn, model, x, y, d)
         (loss / grad_accum).backward()

@@ -68,6 +68,7 @@ from overrides import check_flags, check_overrides
 from parallel import ParallelDims, parallelize
 from parallel.cp import check_cp, token_align
 from parallel.dims import DTYPES
+from parallel.fsdp import gathered_units
 from profiling import StepProfiler
 from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
 from recipes.switch import label, recipe_for_step, resolve_switches
@@ -630,6 +631,11 @@ class Loop:
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch_size * self.cfg.data.seq_len
 
+    @property
+    def gathered_units(self) -> list:
+        """The model's units that keep their gathered weights through a step's micro batches."""
+        return gathered_units(self.model, self.cfg.parallel)
+
 
 def _build(loop: Loop, tokenizer, resume_from: int, hf_weights, threads_line) -> None:
     """Steps 4-11 of `run`: mesh, model, optimizer, data, the resume, the logger and the
@@ -793,6 +799,7 @@ def _step(loop: Loop, step: int):
         autocast=loop.autocast,
         documents=documents,
         reduce_each_micro_batch=loop.cfg.parallel.grad_reduce == "micro_batch",
+        hold_gathered=loop.gathered_units,
     )
     ts = loop.train_state
     ts.step, ts.tokens_seen = step, ts.tokens_seen + loop.tokens_per_step

@@ -65,15 +65,16 @@ def estimate_gpu_memory(
     block's in recompute; tensor parallelism divides the head and FFN parts, and with sequence
     parallelism the rest); `weights` (two gathered bf16 blocks and the gathered embedding and
     head) and `buffers` (the loss's logit chunks). `kept_blocks`: the blocks whose gathered
-    weights stay from their forward to their backward (ParallelConfig.blocks_kept_gathered; 1,
-    the last, by default): FP8 bytes with quantized weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro
-    batch 4 on one GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1);
+    weights stay from their forward to their backward and through a step's micro batches
+    (ParallelConfig.blocks_kept_gathered; 1, the last, by default): FP8 bytes with quantized
+    weights, else bf16. Measured against it on H200s (seq 8192; llama3_1b micro batch 4 on one
+    GPU): none 56.1 GiB (estimate 55.8), selective 29.1 (33.3), full 22.1 (23.1);
     llama3_8b micro batch 1 on two, global batch 8 (accumulating): bf16 none 99.2 (98.6), fp8_cs
     with quantized_init none 100.5 (102.3), selective 81.0 (82.0), full 72.5 (71.4), bf16 full
     67.1 (67.7); at global batch 128 with grad_reduce=step, fp32 reduction: fp8_cs +
     quantized_init 115.4 (117.3), bf16 114.1 (113.6); with bf16 reduction, every block kept
-    gathered and optim.moment_dtype=bf16: fp8_cs + quantized_init 92.8 (93.1), the same with
-    selective recomputation 73.3 (72.7), bf16 97.8 (95.8); tests/test_model.py holds the table."""
+    gathered and optim.moment_dtype=bf16: fp8_cs + quantized_init 92.6 (93.1), the same with
+    selective recomputation 73.1 (72.7), bf16 97.4 (95.8); tests/test_model.py holds the table."""
     from model.flops import parameter_count
 
     params = parameter_count(mcfg)

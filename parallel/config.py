@@ -28,12 +28,15 @@ class ParallelConfig:
     #: a2a+p2p only: ranks of each inner all-to-all group (consecutive cp ranks, e.g. one
     #: node's GPUs); the cp / cp_a2a_size groups exchange K/V in a p2p ring between them.
     cp_a2a_size: int | None = None
-    #: FSDP2: free the all-gathered weights after forward (re-gather in backward).
+    #: FSDP2: free the all-gathered weights after forward (re-gather in backward). false: every
+    #: block keeps its gathered weights, and with gradient accumulation through all micro
+    #: batches of a step (one all-gather per block a step).
     reshard_after_forward: bool = True
     #: FSDP2 with reshard_after_forward=true: the last N blocks keep their gathered weights
-    #: from forward to backward anyway (one all-gather less each per micro batch; N blocks'
-    #: gathered weights more memory at the peak). 0: only the last block, whose backward
-    #: follows its forward at once. A finer step between true and false.
+    #: from forward to backward anyway, and through all micro batches of a step (no
+    #: all-gather of theirs after the first micro batch; N blocks' gathered weights more
+    #: memory at the peak). 0: only the last block, whose backward follows its forward at
+    #: once. A finer step between true and false.
     keep_gathered_blocks: int = 0
     #: FSDP2 mixed precision: dtype of the all-gathered params (bf16 | fp16 | fp32).
     param_dtype: str = "bf16"

@@ -48,6 +48,20 @@ def mp_policy(pcfg: ParallelConfig, mixed_precision: bool) -> MixedPrecisionPoli
     )
 
 
+def gathered_units(model: nn.Module, pcfg: ParallelConfig) -> list[nn.Module]:
+    """The FSDP2 units whose gathered weights are kept from forward to backward: the root
+    (needed again right at the start of backward), the untied embedding without
+    reshard_after_forward, and the last ParallelConfig.blocks_kept_gathered blocks (the last
+    block's backward follows its forward at once). With gradient accumulation they stay
+    gathered through all micro batches of a step (steps.train_step): the weights do not change
+    until the optimizer step, and they are all gathered at the end of each forward anyway."""
+    blocks = list(model.layers)
+    units = blocks[len(blocks) - pcfg.blocks_kept_gathered(len(blocks)) :]
+    if getattr(model, "lm_head", None) is not None and not pcfg.reshard_after_forward:
+        units.append(model.embed)
+    return [*units, model]
+
+
 def apply_fsdp(
     model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, mixed_precision: bool
 ) -> nn.Module:
@@ -56,13 +70,14 @@ def apply_fsdp(
     common = {"mesh": mesh, "mp_policy": policy}
     if dims.tp_enabled:
         common["shard_placement_fn"] = fsdp_shard_placement
-    # The last block's backward runs right after its forward: resharding it in between would
-    # only gather the same weights again. keep_gathered_blocks extends that to the last N.
-    first_kept = len(model.layers) - pcfg.blocks_kept_gathered(len(model.layers))
-    for i, block in enumerate(model.layers):
-        fully_shard(block, reshard_after_forward=i < first_kept, **common)
+    kept = gathered_units(model, pcfg)
+
+    def reshard(unit: nn.Module) -> bool:
+        return not any(unit is k for k in kept)
+
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard(block), **common)
     if getattr(model, "lm_head", None) is not None:
-        fully_shard(model.embed, reshard_after_forward=pcfg.reshard_after_forward, **common)
-    # The root is needed again right at the start of backward: never reshard it after forward.
+        fully_shard(model.embed, reshard_after_forward=reshard(model.embed), **common)
     fully_shard(model, reshard_after_forward=False, **common)
     return model

@@ -339,7 +339,8 @@ def test_memory_estimate_is_within_10_percent_at_8b(case):
 #: (docs/PERFORMANCE.md, global batch 128 tables): (recipe, quantized weights,
 #: parallel.grad_reduce, parallel.reduce_dtype, blocks kept gathered (32: reshard_after_forward=
 #: false), recomputation, optim.moment_dtype) -> peak GiB of train.py through
-#: tools/bench_step.py.
+#: tools/bench_step.py. The bf16-moment rows are the latest measurements, with the kept blocks
+#: held gathered through the micro batches (0.2-0.4 GiB below the calls before).
 MEASURED_8B_LEVERS_GIB = {
     ("fp8_cs", True, "step", "fp32", 1, "none", "fp32"): 115.4,
     ("bf16", False, "step", "fp32", 1, "none", "fp32"): 114.1,
@@ -349,9 +350,9 @@ MEASURED_8B_LEVERS_GIB = {
     ("bf16", False, "step", "bf16", 32, "none", "fp32"): 112.7,
     ("fp8_cs", False, "step", "bf16", 1, "none", "fp32"): 95.7,
     ("bf16", False, "step", "bf16", 14, "none", "fp32"): 104.4,
-    ("fp8_cs", True, "step", "bf16", 32, "none", "bf16"): 92.8,
-    ("fp8_cs", True, "step", "bf16", 32, "selective", "bf16"): 73.3,
-    ("bf16", False, "step", "bf16", 32, "none", "bf16"): 97.8,
+    ("fp8_cs", True, "step", "bf16", 32, "none", "bf16"): 92.6,
+    ("fp8_cs", True, "step", "bf16", 32, "selective", "bf16"): 73.1,
+    ("bf16", False, "step", "bf16", 32, "none", "bf16"): 97.4,
 }
 
 

@@ -599,6 +599,58 @@ def test_keep_gathered_blocks_keeps_the_last_n_and_changes_no_gradient():
     run_distributed(_keep_gathered_blocks, 2)
 
 
+def _step_holding_gathered(rank, world_size, overrides: dict, hold: bool, reduce_each: bool):
+    """One train_step of 3 micro batches. Returns, per micro batch, the blocks after the first
+    that hold gathered weights when block 0's forward begins, which blocks hold them after the
+    step, and the parameters after it."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.fsdp import gathered_units
+    from steps import train_step
+    from tests.test_parallel_matrix import tiny_cfg
+
+    def gathered(blocks):
+        return [i for i, b in blocks if not any(isinstance(p, DTensor) for p in b.parameters())]
+
+    cfg = dataclasses.replace(tiny_cfg(), n_layers=4)
+    pcfg = ParallelConfig(**overrides)
+    model, _ = _sharded_model(cfg, pcfg, world_size, 1)
+    later = list(enumerate(model.layers))[1:]
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda *_: seen.append(gathered(later)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows = torch.randint(0, cfg.vocab_size, (6, 16), generator=torch.Generator().manual_seed(rank))
+    train_step(
+        model,
+        opt,
+        rows,
+        rows,
+        grad_accum=3,
+        reduce_each_micro_batch=reduce_each,
+        hold_gathered=gathered_units(model, pcfg) if hold else (),
+    )
+    after = gathered(enumerate(model.layers))
+    return seen, after, [p.full_tensor() for p in model.parameters()]
+
+
+def _holding_gathered(rank, world_size):
+    for reduce_each in (True, False):
+        seen, after, ref = _step_holding_gathered(rank, world_size, {}, False, reduce_each)
+        assert seen == [[], [], []] and after == []
+        seen, after, last = _step_holding_gathered(rank, world_size, {}, True, reduce_each)
+        assert seen == [[], [3], [3]] and after == []  # the last block: one all-gather a step
+        keep = {"reshard_after_forward": False}
+        seen, after, every = _step_holding_gathered(rank, world_size, keep, True, reduce_each)
+        assert seen == [[], [1, 2, 3], [1, 2, 3]] and after == []
+        # Holding the gathered weights changes no update.
+        for a, b, c in zip(ref, last, every):
+            assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_kept_blocks_stay_gathered_through_the_micro_batches_and_change_no_update():
+    run_distributed(_holding_gathered, 2)
+
+
 def test_keep_gathered_blocks_below_zero_is_one_line():
     with pytest.raises(ConfigError, match=r"parallel.keep_gathered_blocks=-1 must be >= 0"):
         ParallelDims(ParallelConfig(keep_gathered_blocks=-1), 2)

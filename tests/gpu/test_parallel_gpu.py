@@ -5,8 +5,10 @@
 Runs the parity harness under torchrun (`-m tests.harness.parity`) on min(4, GPUs) processes:
 fsdp, hsdp, ddp, tp, fsdp_tp, hsdp_tp (those that fit), bf16 and fp8_cs, 20 steps each against
 the single-GPU curve, and the fp8_cs FSDP2 all-gather check (FP8 shards gathered == FP8 cast of
-the full weight). The table is printed with -s; tolerances are the harness's (STEP1_RTOL,
-CURVE_RTOL).
+the full weight); then fsdp, hsdp and fsdp_tp with 4 micro batches a step (grad_reduce=step
+with every block kept gathered, and micro_batch with the default), whose FSDP2 units stay
+gathered through the micro batches. The table is printed with -s; tolerances are the
+harness's (STEP1_RTOL, CURVE_RTOL).
 """
 
 from __future__ import annotations
@@ -88,3 +90,30 @@ def test_layouts_without_sequence_parallel(tmp_path):
         "--gather-recipes",
         "",
     )
+
+
+@pytest.mark.parametrize(
+    "reduce, keep", [("step", True), ("micro_batch", False)], ids=["step-keep", "micro_batch"]
+)
+def test_layouts_with_gradient_accumulation(tmp_path, reduce, keep):
+    """4 micro batches a step, the kept FSDP2 units held gathered through them (all blocks
+    with keep, else the last one and the root), against one GPU accumulating the same."""
+    nproc = min(4, torch.cuda.device_count())
+    result = _run(
+        nproc,
+        tmp_path / "accum.json",
+        "--layouts",
+        "fsdp,hsdp,fsdp_tp",
+        "--recipes",
+        "bf16,fp8_cs+q,fp8_block+q",
+        "--gather-recipes",
+        "",
+        "--grad-accum",
+        "4",
+        "--grad-reduce",
+        reduce,
+        *(["--keep-gathered"] if keep else []),
+    )
+    ran = {(r["layout"], r["recipe"]) for r in result["curves"] if "skipped" not in r}
+    assert {("fsdp", r) for r in ("bf16", "fp8_cs+q", "fp8_block+q")} <= ran
+    assert ("fsdp_tp", "fp8_cs+q") in ran

@@ -59,6 +59,7 @@ from optim import build_optimizer
 from parallel import ParallelConfig, ParallelDims
 from parallel.cp import token_align
 from parallel.dims import LAYOUTS
+from parallel.fsdp import gathered_units
 from parallel.indices import local_global_indices
 from recipes import build_recipe
 from recipes.config import RecipeConfig
@@ -148,9 +149,13 @@ def recipe_config(spec: str) -> RecipeConfig:
     return RecipeConfig(name=name_of(spec), quantized_init=spec.endswith("+q"))
 
 
-def train_curve(cfg, spec, dims, device, data, lr, docs: bool = False) -> list[float]:
+def train_curve(
+    cfg, spec, dims, device, data, lr, docs: bool = False, grad_accum: int = 1
+) -> list[float]:
     """Loss per step of `data`'s global batches; `docs`: attention per document. The rows go
-    through train.py's BatchLayout (document boundaries, this rank's context-parallel part)."""
+    through train.py's BatchLayout (document boundaries, this rank's context-parallel part).
+    `grad_accum`: micro batches per step, with the layout's grad_reduce and its FSDP2 units
+    held gathered through them, as train.py runs them."""
     recipe = build_recipe(recipe_config(spec), cfg.n_layers)
     model, group = build(cfg, recipe, dims, device)
     impl = "te" if device.type == "cuda" else "torch"
@@ -182,9 +187,12 @@ def train_curve(cfg, spec, dims, device, data, lr, docs: bool = False) -> list[f
             opt,
             inputs.to(device),
             labels.to(device),
+            grad_accum=grad_accum,
             grad_clip=1.0,
             autocast=autocast,
             documents=documents,
+            reduce_each_micro_batch=dims is None or dims.cfg.grad_reduce == "micro_batch",
+            hold_gathered=() if dims is None else gathered_units(model, dims.cfg),
         )
         if dims is not None and dims.loss_group is not None:  # dp x cp, as train.py logs
             dist.all_reduce(logged, group=dims.loss_group)
@@ -295,6 +303,15 @@ def main() -> int:
     # steps for any data-parallel layout (also on CPU in fp32), which hides real errors.
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro batches per step")
+    ap.add_argument(
+        "--grad-reduce", default="micro_batch", help="parallel.grad_reduce: micro_batch | step"
+    )
+    ap.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="parallel.reshard_after_forward=false: every block keeps its gathered weights",
+    )
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument(
         "--cpu",
@@ -322,7 +339,9 @@ def main() -> int:
 
     ref_docs = sorted({docs for *_, docs in specs})
     refs = {
-        (r, docs): train_curve(cfg, r, None, device, doc_data if docs else data, args.lr, docs=docs)
+        (r, docs): train_curve(
+            cfg, r, None, device, doc_data if docs else data, args.lr, docs, args.grad_accum
+        )
         for docs in ref_docs
         for r in recipes
     }
@@ -337,6 +356,8 @@ def main() -> int:
         pcfg = dataclasses.replace(
             compose_config([f"parallel={base}", f"parallel.cp={cp}"]).parallel,
             sequence_parallel=not args.no_sequence_parallel,
+            grad_reduce=args.grad_reduce,
+            reshard_after_forward=not args.keep_gathered,
         )
         try:
             dims = ParallelDims(pcfg, world)
@@ -354,7 +375,7 @@ def main() -> int:
             t0 = time.time()
             try:
                 got = train_curve(
-                    cfg, r, dims, device, doc_data if docs else data, args.lr, docs=docs
+                    cfg, r, dims, device, doc_data if docs else data, args.lr, docs, args.grad_accum
                 )
                 rel = [abs(a - b) / abs(b) for a, b in zip(got, ref)]
                 row.update(
@@ -393,7 +414,8 @@ def main() -> int:
     if rank == 0:
         print(
             f"\n{world} x {results['gpu']}, {args.steps} steps, global batch "
-            f"{args.global_batch} x {args.seq_len}, tolerances step-1 {STEP1_RTOL}, "
+            f"{args.global_batch} x {args.seq_len} in {args.grad_accum} micro batches "
+            f"(grad_reduce={args.grad_reduce}, keep gathered: {args.keep_gathered}), tolerances step-1 {STEP1_RTOL}, "
             f"curve {CURVE_RTOL} (relative)"
         )
         print(
