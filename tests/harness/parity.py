@@ -58,7 +58,7 @@ from model.init import full_init_value
 from optim import build_optimizer
 from parallel import ParallelConfig, ParallelDims
 from parallel.cp import token_align
-from parallel.dims import LAYOUTS
+from parallel.dims import GRAD_REDUCE, LAYOUTS
 from parallel.fsdp import gathered_units
 from parallel.indices import local_global_indices
 from recipes import build_recipe
@@ -304,13 +304,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-sequence-parallel", action="store_true")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro batches per step")
+    ap.add_argument("--grad-reduce", default="micro_batch", choices=GRAD_REDUCE)
     ap.add_argument(
-        "--grad-reduce", default="micro_batch", help="parallel.grad_reduce: micro_batch | step"
-    )
-    ap.add_argument(
-        "--keep-gathered",
-        action="store_true",
-        help="parallel.reshard_after_forward=false: every block keeps its gathered weights",
+        "--keep-gathered", action="store_true", help="parallel.reshard_after_forward=false"
     )
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument(
