@@ -411,8 +411,8 @@ def main() -> int:
         print(
             f"\n{world} x {results['gpu']}, {args.steps} steps, global batch "
             f"{args.global_batch} x {args.seq_len} in {args.grad_accum} micro batches "
-            f"(grad_reduce={args.grad_reduce}, keep gathered: {args.keep_gathered}), tolerances step-1 {STEP1_RTOL}, "
-            f"curve {CURVE_RTOL} (relative)"
+            f"(grad_reduce={args.grad_reduce}, keep gathered: {args.keep_gathered}), "
+            f"tolerances step-1 {STEP1_RTOL}, curve {CURVE_RTOL} (relative)"
         )
         print(
             f"{'layout':13} {'rxsxt':11} {'recipe':11} {'ref loss 1->N':>17} {'loss 1->N':>17} "
