@@ -562,22 +562,22 @@ def test_mixed_precision_keeps_rope_angles_fp32():
 # ---- parallel.keep_gathered_blocks: which blocks stay gathered between forward and backward --
 
 
-def _kept_blocks_and_grads(rank, world_size, overrides: dict):
+def _gathered_blocks(indexed_blocks) -> list[int]:
+    """The indices of the (index, block) pairs whose weights are gathered: a resharded block
+    holds its DTensor shards, a kept one the gathered (plain) weights."""
     from torch.distributed.tensor import DTensor
 
+    return [i for i, b in indexed_blocks if not any(isinstance(p, DTensor) for p in b.parameters())]
+
+
+def _kept_blocks_and_grads(rank, world_size, overrides: dict):
     from tests.test_parallel_matrix import tiny_cfg
 
     cfg = dataclasses.replace(tiny_cfg(), n_layers=4)
     model, _ = _sharded_model(cfg, ParallelConfig(**overrides), world_size, 1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = model(tokens, tokens)
-    # Between forward and backward a resharded block holds its DTensor shards again; a kept
-    # one still holds the gathered (plain) weights.
-    kept = [
-        i
-        for i, block in enumerate(model.layers)
-        if not any(isinstance(p, DTensor) for p in block.parameters())
-    ]
+    kept = _gathered_blocks(enumerate(model.layers))  # between forward and backward
     loss.backward()
     grads = [p.grad.full_tensor() for p in model.parameters()]
     return kept, grads
@@ -603,21 +603,16 @@ def _step_holding_gathered(rank, world_size, overrides: dict, hold: bool, reduce
     """One train_step of 3 micro batches. Returns, per micro batch, the blocks after the first
     that hold gathered weights when block 0's forward begins, which blocks hold them after the
     step, and the parameters after it."""
-    from torch.distributed.tensor import DTensor
-
     from parallel.fsdp import gathered_units
     from steps import train_step
     from tests.test_parallel_matrix import tiny_cfg
-
-    def gathered(blocks):
-        return [i for i, b in blocks if not any(isinstance(p, DTensor) for p in b.parameters())]
 
     cfg = dataclasses.replace(tiny_cfg(), n_layers=4)
     pcfg = ParallelConfig(**overrides)
     model, _ = _sharded_model(cfg, pcfg, world_size, 1)
     later = list(enumerate(model.layers))[1:]
     seen = []
-    model.layers[0].register_forward_pre_hook(lambda *_: seen.append(gathered(later)))
+    model.layers[0].register_forward_pre_hook(lambda *_: seen.append(_gathered_blocks(later)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = torch.randint(0, cfg.vocab_size, (6, 16), generator=torch.Generator().manual_seed(rank))
     train_step(
@@ -629,7 +624,7 @@ def _step_holding_gathered(rank, world_size, overrides: dict, hold: bool, reduce
         reduce_each_micro_batch=reduce_each,
         hold_gathered=gathered_units(model, pcfg) if hold else (),
     )
-    after = gathered(enumerate(model.layers))
+    after = _gathered_blocks(enumerate(model.layers))
     return seen, after, [p.full_tensor() for p in model.parameters()]
 
 
