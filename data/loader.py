@@ -27,7 +27,6 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 
-import datasets
 import numpy as np
 import torch
 
@@ -233,6 +232,8 @@ class StreamingLoader(_Position):
 @contextlib.contextmanager
 def _quiet_datasets():
     """The embedded corpus is built on every run in about a second: no progress bars."""
+    import datasets
+
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:

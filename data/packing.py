@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from data.documents import document_starts
 from data.tokenizer import documents_to_ids, token_dtype
+
+if TYPE_CHECKING:  # imported where used: `datasets` (with pandas, pyarrow) costs ~1 s to import
+    import datasets
 
 # Bump when the token stream layout changes, so cached tokenizations are not reused.
 PACKING_VERSION = "docs-bos-eos-v1"
@@ -27,6 +30,8 @@ def _texts(batch, text_field: str) -> list[str]:
 
 
 def _ids_feature(dtype: np.dtype):
+    import datasets
+
     value = datasets.Value(dtype.name)
     return datasets.List(value) if hasattr(datasets, "List") else datasets.Sequence(value)
 
@@ -59,6 +64,8 @@ def tokenize_dataset(
     `stream_key`), else kept in memory. `num_proc` > 1 tokenizes contiguous shards in worker
     processes; the shards are concatenated in order, so the result does not depend on it.
     """
+    import datasets
+
     dtype = token_dtype(tok)
 
     def tokenize(batch):

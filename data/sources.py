@@ -13,13 +13,16 @@ import hashlib
 import os
 import platform
 import sysconfig
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from data.config import DataConfig
 from data.tokenizer import one_line, token_dtype
 from errors import ConfigError
+
+if TYPE_CHECKING:  # imported where used: `datasets` (with pandas, pyarrow) costs ~1 s to import
+    import datasets
 
 # --- embedded corpus ---------------------------------------------------------------------
 
@@ -97,6 +100,8 @@ def embedded_dataset(cfg: DataConfig) -> datasets.Dataset:
             f"data=embedded found no Python source under {sysconfig.get_paths()['stdlib']!r}; "
             "use data=hf with data.path=<your text files>"
         )
+    import datasets
+
     return datasets.Dataset.from_dict({"path": paths, "text": texts})
 
 
@@ -259,6 +264,8 @@ def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
     """
     if not cfg.path:
         raise ConfigError("data.path is required with data=hf (a hub dataset name or local files)")
+    import datasets
+
     files = resolve_local_files(cfg.path)
     if files is not None:
         builders = sorted({_builder_for(f) for f in files})
@@ -331,6 +338,8 @@ def _selection(ds: datasets.Dataset, keep: np.ndarray, tag: str, fraction: float
 
 def training_documents(ds, cfg: DataConfig):
     """`ds` without the documents held out for evaluation (data.eval_fraction)."""
+    import datasets
+
     f = cfg.eval_fraction
     if isinstance(ds, datasets.IterableDataset):
         return ds.filter(lambda _, i: not is_held_out(i, f), with_indices=True)
@@ -350,6 +359,8 @@ def eval_documents(cfg: DataConfig):
         ds = hf_dataset(dataclasses.replace(cfg, split=cfg.eval_split))
         check_text_field(ds, cfg)
         return ds
+    import datasets
+
     ds = embedded_dataset(cfg) if cfg.name == "embedded" else hf_dataset(cfg)
     check_text_field(ds, cfg)
     f = cfg.eval_fraction

@@ -43,8 +43,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from data.config import DataConfig
@@ -52,6 +52,9 @@ from data.packing import PACKING_VERSION, stream_key, token_chunks, tokenize_dat
 from data.tokenizer import one_line, token_dtype
 from errors import ConfigError
 from runtime import host_id, host_name, pid_alive
+
+if TYPE_CHECKING:  # imported where used: `datasets` (with pandas, pyarrow) costs ~1 s to import
+    import datasets
 
 FORMAT = "te-llama-tokens-v1"
 SUBDIR = "te-llama-tokens"
@@ -73,6 +76,8 @@ def _print(msg: str) -> None:
 
 def cache_root(cfg: DataConfig) -> Path:
     """<data.cache_dir or the Hugging Face datasets cache>/te-llama-tokens."""
+    import datasets
+
     base = cfg.cache_dir or datasets.config.HF_DATASETS_CACHE
     return Path(os.path.expanduser(str(base))) / SUBDIR
 
@@ -266,6 +271,8 @@ def _fsync_dir(path: Path) -> None:
 
 def _prepare(entry: CacheEntry, cfg: DataConfig, ds: datasets.Dataset, tok, log: Log) -> dict:
     """Tokenize `ds` into the entry and commit it. The caller holds the entry's lock."""
+    import datasets
+
     # Leftovers of preparers that died (the lock is ours, so nobody else writes them).
     for leftover in glob.glob(glob.escape(str(entry.root / entry.key)) + ".*.tmp-*"):
         with contextlib.suppress(OSError):

@@ -11,6 +11,8 @@ pass CPU_ENV. Process-group helpers are in tests/distributed.py.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,6 +25,22 @@ from steps import train_step
 
 #: Environment for train.py subprocesses of CPU tests (runtime.launch(..., env=CPU_ENV)).
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def forwarded_receivers(nproc: int) -> set[str]:
+    """Whom a stop line ("stop signal SIGINT (received by WHO): ...") may name when a launcher
+    forwarded one signal to its `nproc` trainers. It signals them one after another, and a
+    trainer already waiting in the step's stop agreement (a collective) runs its handler only
+    once that collective returns, so the agreement counts the ranks whose handler had run by
+    then: every rank, or any one rank or few of them (runtime.StopSignal.describe)."""
+    if nproc == 1:
+        return {"this process"}
+    names = {"every rank"}
+    for k in range(1, nproc):
+        for ranks in itertools.combinations(range(nproc), k):
+            names.add(f"rank{'s' if k > 1 else ''} {', '.join(map(str, ranks))} of {nproc}")
+    return names
+
 
 SEQ, BATCH, VOCAB = 32, 8, 258
 #: train.py overrides for the smallest model the CLI tests train (1 layer, dim 64, seq 32,

@@ -21,6 +21,7 @@ import pytest
 
 from runlog import read_metrics
 from tests.distributed import free_port
+from tests.helpers import forwarded_receivers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -527,10 +528,12 @@ def test_sigterm_to_the_launcher_is_one_line_and_the_trainers_save(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "Traceback" not in out and "SignalException" not in out, out
     stopped_at = records(runs / "sig")[-1]["step"]
-    assert (
-        f"stop signal SIGTERM (received by every rank): checkpoint at step {stopped_at} saved; "
+    said = [ln for ln in out.splitlines() if ln.startswith("stop signal")]
+    assert len(said) == 1 and said[0] in {
+        f"stop signal SIGTERM (received by {who}): checkpoint at step {stopped_at} saved; "
         "every rank exits with status 3 for requeue"
-    ) in out, out
+        for who in forwarded_receivers(2)
+    }, out
     assert out.rstrip().splitlines()[-1] == (
         "launcher: got SIGTERM: forwarded it to the trainers and waited for them to exit "
         "(their lines above say what was saved)"
