@@ -18,6 +18,7 @@ in a writer process, a rank waiting for another in a barrier).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,14 +78,34 @@ def logged(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(path)] if path.exists() else []
 
 
-def press_after(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
-    """Ctrl-C (SIGINT to the process group) once `step` is logged."""
+def press_after(proc: subprocess.Popen, run_dir: Path, step: int) -> int:
+    """Ctrl-C (SIGINT to the process group) once `step` is logged; the last step logged then."""
     deadline = time.monotonic() + 240
     while not (logged(run_dir) and logged(run_dir)[-1] >= step):
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the run did not reach the step in time"
         time.sleep(0.05)
+    last = logged(run_dir)[-1]
     os.killpg(proc.pid, signal.SIGINT)
+    return last
+
+
+def wait_for_stop_save(proc: subprocess.Popen, root: Path, after: int) -> None:
+    """Until the save of a step after `after` is being written (its `.tmp` directory): the
+    ranks have agreed to stop, so each has run its handler of the press. A rank that was
+    waiting in a collective when the press arrived runs it only when the collective returns,
+    and times a second press from then (runtime.StopSignal)."""
+    deadline = time.monotonic() + 120
+
+    def writing() -> list[int]:
+        return [
+            int(m[1]) for p in root.glob("*") if (m := re.fullmatch(r"step_(\d+)\.tmp", p.name))
+        ]
+
+    while not any(step > after for step in writing()):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "no save started after the press"
+        time.sleep(0.05)
 
 
 def check_quiet(out: str, nproc: int) -> None:
@@ -150,7 +171,7 @@ def test_ctrl_c_commits_and_a_second_stops_at_once(tmp_path, reference, nproc, m
     # (It also resumes the first press's checkpoint: its steps must match an uninterrupted run.)
     before = {s: store.verify(root / store.step_name(s)) for s in committed(root)}
     proc = start(nproc, args, ("tests/harness/slow_commit.py",), {"SLOW_COMMIT_S": "60"})
-    press_after(proc, run_dir, stopped + 2)
+    wait_for_stop_save(proc, root, press_after(proc, run_dir, stopped + 2))
     time.sleep(DOUBLE_PRESS_S + 0.5)
     os.killpg(proc.pid, signal.SIGINT)
     pressed = time.monotonic()
