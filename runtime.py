@@ -440,12 +440,15 @@ class StopSignal:
 
     def describe(self, world_size: int) -> str:
         """E.g. "SIGTERM (received by rank 1 of 2)"."""
-        if len(self.ranks) == world_size:
-            who = "every rank" if world_size > 1 else "this process"
-        else:
-            who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
-            who += f" of {world_size}"
-        return f"{self.name} (received by {who})"
+        return f"{self.name} (received by {receivers(self.ranks, world_size)})"
+
+
+def receivers(ranks: list[int], world_size: int) -> str:
+    """Who got a stop signal, as the stop line says it: "every rank", "this process" (one
+    process), or "rank 1 of 2" / "ranks 0, 2 of 4"."""
+    if len(ranks) == world_size:
+        return "every rank" if world_size > 1 else "this process"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world_size}"
 
 
 def report_error(line: str) -> None:

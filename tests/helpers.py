@@ -21,6 +21,7 @@ from checkpoint import TrainState, training_state
 from config import OptimConfig
 from model.config import ModelConfig
 from optim import build_scheduler
+from runtime import receivers
 from steps import train_step
 
 #: Environment for train.py subprocesses of CPU tests (runtime.launch(..., env=CPU_ENV)).
@@ -32,14 +33,9 @@ def forwarded_receivers(nproc: int) -> set[str]:
     forwarded one signal to its `nproc` trainers. It signals them one after another, and a
     trainer already waiting in the step's stop agreement (a collective) runs its handler only
     once that collective returns, so the agreement counts the ranks whose handler had run by
-    then: every rank, or any one rank or few of them (runtime.StopSignal.describe)."""
-    if nproc == 1:
-        return {"this process"}
-    names = {"every rank"}
-    for k in range(1, nproc):
-        for ranks in itertools.combinations(range(nproc), k):
-            names.add(f"rank{'s' if k > 1 else ''} {', '.join(map(str, ranks))} of {nproc}")
-    return names
+    then: any non-empty set of the ranks, worded by runtime.receivers."""
+    sets = (r for k in range(1, nproc + 1) for r in itertools.combinations(range(nproc), k))
+    return {receivers(list(ranks), nproc) for ranks in sets}
 
 
 SEQ, BATCH, VOCAB = 32, 8, 258

@@ -18,7 +18,6 @@ in a writer process, a rank waiting for another in a barrier).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -97,10 +96,9 @@ def wait_for_stop_save(proc: subprocess.Popen, root: Path, after: int) -> None:
     and times a second press from then (runtime.StopSignal)."""
     deadline = time.monotonic() + 120
 
-    def writing() -> list[int]:
-        return [
-            int(m[1]) for p in root.glob("*") if (m := re.fullmatch(r"step_(\d+)\.tmp", p.name))
-        ]
+    def writing() -> list[int]:  # steps of step_XXXXXXX.tmp (not .pruned.tmp and the like)
+        tmps = root.glob(f"step_*{store.TMP_SUFFIX}")
+        return [s for p in tmps if (s := store.dir_step(p.with_suffix(""))) is not None]
 
     while not any(step > after for step in writing()):
         assert proc.poll() is None, proc.communicate()[0]
