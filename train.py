@@ -312,11 +312,12 @@ def nothing_to_do(run_dir: Path, step: int, steps: int) -> str:
     )
 
 
-#: What a dry run leaves to the real start (it reads and writes nothing).
+#: What a dry run leaves to the real start (it reads nothing and leaves nothing written).
 DRY_RUN_UNCHECKED = (
     "not checked: the data itself (files read, tokenized, cached), the model's real memory and "
-    "speed (built on the meta device only), a write to disk (the directories are checked by "
-    "permission and free space), communication between processes"
+    "speed (built on the meta device only), a checkpoint-sized write (the directories are "
+    "checked by an empty probe, removed again, and by free space), communication between "
+    "processes"
 )
 
 

@@ -3,16 +3,17 @@
     run_dir, lock = prepare_run_dir(cfg, rank, world_size)
 
 Every rank: the checkpoint fields are valid; the run directory (and the checkpoint directory)
-can be created and written (a probe file); with checkpoints on, the checkpoint filesystem has
-room for checkpoint.keep_last + 1 checkpoints (those kept plus the one being written; the
-ones already there count), each estimated from the model config (parameters x 12 bytes: fp32
-weights and two fp32 Adam moments; 13 with quantized weights, whose fp32 masters live in the
-optimizer), and for async modes this node's host memory (and for async_process /dev/shm) can
-hold one staging copy. Rank 0 then takes the run directory's lock (checkpoint/runlock.py), and
-the checkpoint directory's when it lies outside the run directory (an absolute checkpoint.dir
-that several runs may name). Each failure is one ConfigError, and nothing is created before
-every check that needs no write has passed (`check_run_dir`, which `train.dry_run` runs too,
-with `check_locks`).
+can be created and written (a probe made and removed again where it would be created); with
+checkpoints on, the checkpoint filesystem has room for checkpoint.keep_last + 1 checkpoints
+(those kept plus the one being written; the ones already there count), each estimated from
+the model config (parameters x 12 bytes: fp32 weights and two fp32 Adam moments; 13 with
+quantized weights, whose fp32 masters live in the optimizer), and for async modes this node's
+host memory (and for async_process /dev/shm) can hold one staging copy. Rank 0 then takes the
+run directory's lock (checkpoint/runlock.py), and the checkpoint directory's when it lies
+outside the run directory (an absolute checkpoint.dir that several runs may name). Each
+failure is one ConfigError, and nothing is left behind before every check that needs no
+lasting write has passed (`check_run_dir`, which `train.dry_run` runs too, with
+`check_locks`).
 """
 
 from __future__ import annotations
@@ -56,17 +57,31 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_writable(path: Path, field: str) -> None:
-    """That `path` can be created and written, decided without creating or writing anything:
-    it, or the closest ancestor that exists (where it would be created), is a directory this
-    process may write into."""
-    existing = _nearest_existing(path)
+    """That `path` can be created and written, leaving nothing behind: it, or the closest
+    ancestor that exists (where it would be created), is a directory this process may write
+    into, and a probe made there (a directory in the ancestor, or a file in `path` when it
+    exists) is created and removed again. The probe gives the real reason for root too, whom
+    `os.access` always lets through (/proc, a read-only or root-squashed mount)."""
+    full = Path(os.path.abspath(path))
+    existing = _nearest_existing(full)
+    where = "" if existing == full else f" in {existing}"
     problem = None
     if not existing.is_dir():
         problem = f"{existing} is not a directory"
     elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = "Read-only file system" if _read_only(existing) else "Permission denied"
-        if existing != Path(os.path.abspath(path)):
-            problem += f" in {existing}"
+        problem = ("Read-only file system" if _read_only(existing) else "Permission denied") + where
+    else:
+        probe = existing / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+        try:
+            if existing == full:
+                probe.write_bytes(b"ok")
+                probe.unlink()
+            else:
+                probe.mkdir()
+                probe.rmdir()
+        except OSError as e:
+            what = "a file" if existing == full else "a directory"
+            problem = f"creating {what} in {existing} fails: {e.strerror or e}"
     if problem:
         raise ConfigError(
             f"{field}: cannot write to {path} ({problem}); choose a writable directory"
@@ -125,10 +140,11 @@ def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
 
 
 def check_run_dir(cfg: Any, world_size: int) -> tuple[Path, str]:
-    """Every check of `prepare_run_dir` that needs no write: the checkpoint fields, that the run
-    and checkpoint directories can be created and written, the room for the checkpoints and,
-    for async modes, for one staging copy. Creates nothing (the dry run calls it too). Returns
-    the run directory and a line saying what was found."""
+    """Every check of `prepare_run_dir` that needs no lasting write: the checkpoint fields,
+    that the run and checkpoint directories can be created and written, the room for the
+    checkpoints and, for async modes, for one staging copy. Leaves nothing behind (its probes
+    are removed again; the dry run calls it too). Returns the run directory and a line saying
+    what was found."""
     ck = cfg.checkpoint
     validate(ck)
     run_dir = Path(cfg.run.root) / cfg.run.name

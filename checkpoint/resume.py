@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hashing, store
 from checkpoint.context import ERRORS, Context, checkpoint_root, find, first_line
-from checkpoint.health import LossRange, ResumeWatch
+from checkpoint.health import Recent, ResumeWatch
 from checkpoint.planners import BlockLoadPlanner
 from checkpoint.reader import CheckpointReader, first_problem
 from checkpoint.state import ModelState, TrainState
@@ -277,11 +277,17 @@ def _step_error(path: Path, hint: str) -> str | None:
     if named is None or recorded == named:
         return None
     if isinstance(recorded, int):
+        # Either side may be the true one: say what differs and what each case needs.
+        back = store.step_name(recorded)
+        rename = (
+            f"move {back} away first to rename it back"
+            if (path.parent / back).exists()
+            else f"then rename it back to {back}"
+        )
         return (
-            f"checkpoint {path}: its directory name says step {named} but its "
-            f"{store.MANIFEST} says step {recorded}; the checkpoint is inconsistent "
-            f"(renamed by hand? then rename it back to {store.step_name(recorded)} if "
-            f"that step is not taken); {hint}, or move it away"
+            f"checkpoint {path}: its {store.MANIFEST} says step {recorded} but the directory "
+            f"is {path.name}: the manifest was edited, or the directory renamed ({rename}); "
+            f"{hint}, or move it away"
         )
     return f"checkpoint {path}: its {store.MANIFEST} records no step; {hint}, or move it away"
 
@@ -640,15 +646,15 @@ class Resumer:
     def watch_loss(self, records: list[dict] | None, policy: str = "stop") -> int | None:
         """CheckpointManager.watch_resumed_loss: the step whose checkpoints are held from
         pruning while the resumed segment's first losses are judged (None: nothing to watch).
-        A collective (a broadcast of rank 0's loss range)."""
+        A collective (a broadcast of what rank 0's metrics show before the resume)."""
         ctx = self.ctx
-        loss_range = None
+        recent = None
         if ctx.rank == 0 and records is not None and self.resumed is not None:
-            loss_range = LossRange.from_records(records, self.resumed[1])
-        loss_range = ctx.broadcast(loss_range)
-        if loss_range is None or policy == "off" or not ctx.saving or self.resumed is None:
+            recent = Recent.from_records(records, self.resumed[1])
+        recent = ctx.broadcast(recent)
+        if recent is None or policy == "off" or not ctx.saving or self.resumed is None:
             return None
-        self._watch, self._watch_policy = ResumeWatch(loss_range), policy
+        self._watch, self._watch_policy = ResumeWatch(recent), policy
         return self.resumed[1]
 
     def judge_loss(self, step: int, loss: float) -> tuple[str | None, str]:
@@ -680,8 +686,8 @@ class Resumer:
             else "no older checkpoint is kept (checkpoint.keep_last=1 pruned it before)"
         )
         return (
-            f"the loss after resuming from {path} (step {resumed_step}) is above the range "
-            f"this run logged before it: {self._watch.describe()}; that checkpoint may hold "
+            f"the loss after resuming from {path} (step {resumed_step}) is above what this "
+            f"run logged just before it: {self._watch.describe()}; that checkpoint may hold "
             "damage its checks cannot see (a changed weight whose hash was rewritten, or "
             f"checkpoint.checksum=false); {kept}"
         )

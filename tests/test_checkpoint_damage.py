@@ -142,12 +142,21 @@ def test_file_dropped_from_the_manifest_isrefused(tmp_path):
 
 def test_manifest_step_against_directory_name_and_train_state(tmp_path):
     root = two_checkpoints(tmp_path)
+    # An edited manifest whose step is taken: renaming back is not possible as it stands.
+    manifest = store.read_manifest(root / "step_0000004")
+    (root / "step_0000004" / store.MANIFEST).write_text(json.dumps({**manifest, "step": 2}))
+    assert refused(tmp_path) == (
+        f"checkpoint {root / 'step_0000004'}: its manifest.json says step 2 but the directory "
+        "is step_0000004: the manifest was edited, or the directory renamed (move "
+        f"step_0000002 away first to rename it back); {previous_hint(root)}, or move it away"
+    )
+    (root / "step_0000004" / store.MANIFEST).write_text(json.dumps(manifest))
     renamed = root / "step_0000003"
     (root / "step_0000004").rename(renamed)
     assert refused(tmp_path) == (
-        f"checkpoint {renamed}: its directory name says step 3 but its manifest.json says step "
-        "4; the checkpoint is inconsistent (renamed by hand? then rename it back to "
-        f"step_0000004 if that step is not taken); {previous_hint(root)}, or move it away"
+        f"checkpoint {renamed}: its manifest.json says step 4 but the directory is "
+        "step_0000003: the manifest was edited, or the directory renamed (then rename it back "
+        f"to step_0000004); {previous_hint(root)}, or move it away"
     )
     manifest = store.read_manifest(renamed)
     manifest["step"] = 3

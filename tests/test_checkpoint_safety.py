@@ -343,6 +343,31 @@ def test_unwritable_root_and_no_room_fail_before_the_model(tmp_path):
     assert "model tiny" not in r.stdout
 
 
+def test_a_directory_that_cannot_be_created_says_so_for_root_too(tmp_path):
+    """/proc lets nobody create directories; os.access lets root through, so the reason must
+    come from trying (a probe, removed again), never from /proc's free space."""
+    from config import compose_config
+
+    if os.geteuid() == 0:  # root: os.access says yes, mkdir says no
+        reason = "creating a directory in /proc fails: No such file or directory"
+    else:
+        reason = "Permission denied in /proc"
+    for overrides, field, path in (
+        (["run.root=/proc/nope"], "run.root=/proc/nope", "/proc/nope/tiny-bf16-fsdp"),
+        ([f"run.root={tmp_path}", "checkpoint.dir=/proc/x"], "checkpoint.dir=/proc/x", "/proc/x"),
+    ):
+        cfg = compose_config([*overrides, "checkpoint=sync"])
+        with pytest.raises(ConfigError) as e:
+            preflight.check_run_dir(cfg, 1)
+        assert str(e.value) == (
+            f"{field}: cannot write to {path} ({reason}); choose a writable directory"
+        )
+    assert not any(tmp_path.iterdir())  # the probes are gone, no run directory was made
+    cfg = compose_config([f"run.root={tmp_path}", "checkpoint=sync"])
+    preflight.check_run_dir(cfg, 1)  # a writable one passes, and leaves nothing either
+    assert not any(tmp_path.iterdir())
+
+
 def test_preflight_checks_space_and_host_memory(tmp_path, monkeypatch):
     from config import compose_config
 
