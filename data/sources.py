@@ -12,6 +12,7 @@ import glob
 import hashlib
 import os
 import platform
+import re
 import sysconfig
 from typing import TYPE_CHECKING
 
@@ -204,8 +205,19 @@ def _builder_for(path: str) -> str | None:
     return _BUILDERS.get(os.path.splitext(stem)[1])
 
 
+#: What a hub dataset name can be: `name` or `owner/name` (letters, digits, `_ . -`).
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
 def _looks_local(path: str) -> bool:
-    return path.startswith(_LOCAL_PREFIXES) or _builder_for(path) is not None
+    """A path, not a hub name: `/`, `./`, `~` ahead, a data file's extension, a trailing
+    slash, what no hub name can be (`a/b/c`, spaces), or a folder that exists ahead of it."""
+    if path.startswith(_LOCAL_PREFIXES) or _builder_for(path) is not None:
+        return True
+    if path.endswith(("/", "\\")) or not _HUB_NAME.fullmatch(path):
+        return True
+    parent = os.path.dirname(os.path.expanduser(path))
+    return bool(parent) and os.path.isdir(parent)
 
 
 def resolve_local_files(path: str) -> list[str] | None:
@@ -249,11 +261,48 @@ def resolve_local_files(path: str) -> list[str] | None:
     return None
 
 
+def _maybe_cached(name: str, cache_dir: str | None) -> bool:
+    """Whether the hub cache or the datasets cache may hold dataset `name` (a look at their
+    folders' names only: a false yes leaves the decision to `datasets`)."""
+    from huggingface_hub import constants
+
+    home = os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface"))
+    datasets_cache = cache_dir or os.environ.get("HF_DATASETS_CACHE", f"{home}/datasets")
+    short = name.rsplit("/", 1)[-1].lower()
+    for folder in (constants.HF_HUB_CACHE, os.path.expanduser(datasets_cache)):
+        try:
+            if any(short in entry.lower() for entry in os.listdir(folder)):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def check_source(cfg: DataConfig) -> None:
     """The data source's own input, before the tokenizer and anything built (one line on
-    failure): with data=hf, a local data.path must exist and hold files of a known type."""
-    if cfg.name == "hf" and cfg.path:
-        resolve_local_files(cfg.path)
+    failure): with data=hf, a local data.path must exist and hold files of a known type, and a
+    hub name that is not cached must be reachable: refused at once when downloads are off or
+    the hub's host cannot be reached (rather than half a minute of retries)."""
+    if cfg.name != "hf" or not cfg.path or resolve_local_files(cfg.path) is not None:
+        return
+    if _maybe_cached(cfg.path, cfg.cache_dir):
+        return
+    from huggingface_hub import constants
+
+    from data.tokenizer import hub_offline, hub_unreachable
+
+    if hub_offline():
+        why = "downloads are off (HF_HUB_OFFLINE=1)"
+    elif (reason := hub_unreachable(constants.ENDPOINT)) is not None:
+        why = f"{constants.ENDPOINT} cannot be reached ({reason})"
+    else:
+        return
+    raise ConfigError(
+        f"data.path={cfg.path!r} is no local file or folder (relative paths start at "
+        f"{os.getcwd()}) and, as a hub dataset name, is not in the local cache while {why}; "
+        "give an existing file, directory or glob of data files, or download the dataset "
+        "where there is network"
+    )
 
 
 def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:

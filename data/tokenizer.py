@@ -145,7 +145,7 @@ def _in_cache(repo: str) -> str | None:
     return None
 
 
-def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+def hub_unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
     """Why the hub's host cannot be reached (one TCP connection, `timeout` seconds), or None.
     With a proxy configured the proxy decides: not probed."""
     import socket
@@ -191,7 +191,7 @@ def locate_tokenizer(spec: str) -> tuple[str, bool]:
             f"({constants.HF_HUB_CACHE}) and downloads are off (HF_HUB_OFFLINE=1); {get}, or "
             f"{fixes}"
         )
-    if (why := _unreachable(constants.ENDPOINT)) is not None:
+    if (why := hub_unreachable(constants.ENDPOINT)) is not None:
         raise ConfigError(
             f"data.tokenizer={spec!r} is not in the local Hugging Face cache and "
             f"{constants.ENDPOINT} cannot be reached ({why}); {get}, or {fixes}"

@@ -56,6 +56,52 @@ def test_missing_path_first(tmp_path):
     )
 
 
+def test_a_missing_folder_is_named_at_once_and_never_tried_on_the_hub(tmp_path, monkeypatch):
+    """A path that looks local (a trailing slash, a folder ahead of it, `./`) and does not
+    exist says so; a bare name not cached while the hub cannot be reached says that, at once
+    (no half minute of download retries)."""
+    from huggingface_hub import constants
+
+    from data.config import DataConfig
+    from data.sources import check_source
+    from errors import ConfigError
+
+    (tmp_path / "texts").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", NO_HUB)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+    def refusal(path):
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError) as e:
+            check_source(DataConfig(name="hf", path=path))
+        assert time.perf_counter() - t0 < 5
+        return str(e.value)
+
+    for path in ("my_texts/", "texts/my_texts", "./my_texts", "my texts"):
+        assert refusal(path) == (
+            f"data.path={path!r} does not exist (relative paths start at {tmp_path}); give an "
+            "existing file, directory or glob of .json/.jsonl/.parquet/.txt files, or a hub "
+            "dataset name"
+        )
+    assert refusal("my_texts") == (
+        f"data.path='my_texts' is no local file or folder (relative paths start at {tmp_path}) "
+        f"and, as a hub dataset name, is not in the local cache while {NO_HUB} cannot be "
+        "reached (ConnectionRefusedError: Connection refused); give an existing file, "
+        "directory or glob of data files, or download the dataset where there is network"
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "is not in the local cache while downloads are off (HF_HUB_OFFLINE=1); " in refusal(
+        "someorg/my_texts"
+    )
+    # A name the datasets cache may hold is left to `datasets` (it loads cached data offline).
+    (tmp_path / "datasets" / "someorg___my_texts").mkdir(parents=True)
+    check_source(DataConfig(name="hf", path="someorg/my_texts"))
+
+
 @pytest.mark.parametrize(
     "env, says",
     [
