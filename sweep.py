@@ -119,6 +119,16 @@ def expand(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
     ]
 
 
+def job_configs(overrides: Sequence[str]):
+    """(job number, its swept overrides, its Config) for every job of a sweep, in the order
+    Hydra's basic sweeper runs them (Hydra's own overrides, `hydra.*`, left out)."""
+    from config import compose_config
+
+    task = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    for num, (job, swept) in enumerate(expand(task)):
+        yield num, swept or job, compose_config(job)
+
+
 def plan(overrides: Sequence[str], out: Path | None = None) -> tuple[int, Path]:
     """Write the job files of a Slurm sweep; returns (job count, directory)."""
     from config import check_experiment_overrides, compose_config

@@ -984,6 +984,30 @@ def main(dcfg: DictConfig) -> int:
     return status
 
 
+def check_sweep(argv: list[str]) -> None:
+    """A multirun's every job through `check_config` before the first one trains: a job that
+    breaks a rule stops the sweep at once, in one line naming the job, with nothing trained.
+    Jobs whose model shape comes from Hugging Face (model.init_from, model=hf) are checked at
+    their own start; a sweep that cannot be expanded or composed here is left to Hydra."""
+    try:
+        jobs = list(sweep.job_configs(sweep.override_args(argv)))
+    except Exception:
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    for num, swept, cfg in jobs:
+        if cfg.model.init_from or cfg.model.shape_from_hf:
+            continue
+        try:
+            device = pick_device(cfg.train.device)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # as the run does: no context on another GPU
+            check_config(cfg, world_size, device)
+        except ConfigError as e:
+            raise ConfigError(
+                f"sweep job {num} ({' '.join(swept)}): {e} (no job of the sweep was started)"
+            ) from None
+
+
 def cli(argv: list[str]) -> int:
     """`python train.py [hydra flags] [overrides]`: checks `experiment=` against the presets
     before Hydra composes (the group is optional, so Hydra would run without a misspelled
@@ -993,6 +1017,8 @@ def cli(argv: list[str]) -> int:
         check_flags(argv)  # e.g. --cfg jobs: one line, not argparse's usage block
         check_experiment_overrides(sweep.override_args(argv))
         check_overrides(argv)  # every other wrong override, one line each (overrides.py)
+        if sweep.is_multirun(argv):
+            check_sweep(argv)  # every job's config, before the first one trains
     except ConfigError as e:
         report_error(str(e))
         return 2

@@ -38,16 +38,34 @@ def test_multirun_runs_each_job_in_its_own_run_directory(tmp_path):
 
 
 def test_a_failing_job_fails_the_sweep_and_the_others_still_run(tmp_path):
-    args = ["-m", "train.micro_batch_size=4", "train.global_batch_size=6,4", "train.steps=2"]
+    # Job 0's run directory cannot be made (a file holds its name): refused at its own start.
+    (tmp_path / "tiny-bf16-fsdp-train.global_batch_size=8").write_text("")
+    args = ["-m", "train.micro_batch_size=4", "train.global_batch_size=8,4", "train.steps=2"]
     args += [*(a for a in TINY if not a.startswith("train.global")), "checkpoint=none"]
     r = launch([*args, f"run.root={tmp_path}"], env=CPU_ENV, timeout=600)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "train.global_batch_size=6 must be divisible" in r.stderr
+    assert "global_batch_size=8 is not a directory); choose a writable" in r.stderr
     assert "exit statuses [2, 0]" in r.stdout
     ran = read_metrics(tmp_path / "tiny-bf16-fsdp-train.global_batch_size=4" / "metrics.jsonl")
     assert [x["step"] for x in ran] == [1, 2]
     # An explicit run.name is kept (every job would share it).
     assert sweep.multirun_run_name("x") is None  # outside a Hydra job
+
+
+def test_every_job_is_checked_before_the_first_trains(tmp_path, capsys):
+    """A rule across fields that job 1 breaks stops the sweep before job 0 trains."""
+    import train
+
+    args = ["-m", "train.global_batch_size=16,10", "train.micro_batch_size=4"]
+    args += [a for a in TINY if not a.startswith("train.global")]
+    assert train.cli([*args, f"run.root={tmp_path}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "error: sweep job 1 (train.global_batch_size=10): train.global_batch_size=10 must be "
+        "divisible by train.micro_batch_size=4 x data-parallel size 1; change one of them (no "
+        "job of the sweep was started)"
+    ]
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing trained or written
 
 
 def test_exit_status_of_a_sweep():
