@@ -382,6 +382,11 @@ class StopSignal:
         #: What was and was not saved, for the stop-at-once line (train.run sets it once it
         #: has a checkpoint manager), and what to release before the process ends.
         self.stopped_line: Callable[[], str] = lambda: "stopped at once during setup"
+        #: When the stop will be saved, for the line said as the signal arrives (train.py sets
+        #: it once the loop runs; it can be wrong only towards earlier).
+        self.ahead: Callable[[], str] = lambda: (
+            "during setup; the run saves a checkpoint at its first log step and exits"
+        )
         self.release: Callable[[], None] = lambda: None
         # checkpoint=none keeps SIGUSR1's and SIGTERM's default meaning (terminate).
         signals = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT) if save else (signal.SIGINT,)
@@ -402,8 +407,27 @@ class StopSignal:
             return  # the same press, delivered twice
         if signum == signal.SIGINT:
             self._interrupted_at = now
+        if self.received is None:
+            self._say_ahead(signum)
         # SIGTERM (15) or SIGUSR1 (10) after a Ctrl-C (2) names the stop: requeue status.
         self.received = max(self.received or 0, signum)
+
+    def _say_ahead(self, signum: int) -> None:
+        """The line said as the first stop signal arrives (on rank 0; a signal only other
+        ranks got is said by the stop line): what will be saved, and when. Written to fd 2
+        directly: a handler must not re-enter a print the main thread may be in."""
+        if int(os.environ.get("RANK", 0)) != 0:
+            return
+        try:
+            line = f"stopping: {signal.Signals(signum).name} received {self.ahead()}"
+        except Exception as e:  # the line must not cost the stop
+            line = f"stopping: signal {signum} received ({type(e).__name__} reading the step)"
+        if signum == signal.SIGINT:
+            line += f"; Ctrl-C again (after {DOUBLE_PRESS_S:g} s) stops at once, unsaved"
+        try:
+            os.write(2, f"{line}\n".encode())
+        except OSError:
+            pass
 
     def stop_now(self) -> None:
         """End this process now (a signal handler: runs in the main thread between bytecodes):

@@ -761,6 +761,7 @@ def train_loop(loop: Loop) -> int:
     """The training loop: what happens at each step, in order, one named call each (a new
     per-step check goes here, between the step and the save). Returns the exit status."""
     steps = loop.cfg.train.steps
+    loop.stop.ahead = lambda: _stop_ahead(loop)  # said as a stop signal arrives
     # Python's garbage collector at fixed steps on every rank (train.gc_every), or as usual.
     with GcSchedule(loop.cfg.train.gc_every, loop.say) as collector:
         for step in range(loop.start_step + 1, steps + 1):
@@ -871,6 +872,24 @@ def _check_loss(loop: Loop, step: int, loss_value: float) -> None:
     a resumed segment's first losses against the run's (checkpoint/health.py)."""
     loop.ckpt.check_finite(step)
     loop.ckpt.check_resumed_loss(step, loss_value)
+
+
+def _stop_ahead(loop: Loop) -> str:
+    """When a stop signal arriving now is saved: after the next log step (an evaluation or a
+    recipe switch may come first), and in about how long at this run's pace so far."""
+    cfg, clock = loop.cfg, loop.clock
+    step = loop.train_state.step + 1  # the step being trained (or about to be)
+    every = cfg.train.log_every
+    at = min(-(-step // every) * every, cfg.train.steps)
+    done = loop.train_state.step - clock.start_step
+    pace = ""
+    if done > 0:
+        per_step = (clock.elapsed() - clock.eval_total) / done
+        pace = f", in about {format_duration(per_step * (at - step + 1))} at this run's pace"
+    return (
+        f"during step {step}; the run saves a checkpoint of step {at} at the latest (the next "
+        f"log step, train.log_every={every}){pace}, then exits"
+    )
 
 
 def _stop_agreed(loop: Loop) -> bool:

@@ -229,3 +229,45 @@ def test_a_second_run_in_one_process_reuses_the_mesh(tmp_path):
     from tests.distributed import run_distributed
 
     run_distributed(_two_runs_in_one_process, 2, str(tmp_path))
+
+
+def test_a_stop_signal_is_said_as_it_arrives(tmp_path, capfd):
+    """SIGUSR1 during step 2 of a run that logs (and so checks for a stop) every 5 steps: one
+    line at once, read during step 3, before that log step, says what will be saved and when;
+    the stop then saves step 5 and exits for requeue."""
+    import signal
+
+    import train
+    from config import compose_config
+    from tests.ckpt_harness import committed
+
+    real, calls, early = train.train_step, [], []
+
+    def step_and_signal(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # step 3 starts: what was said so far
+            early.append(capfd.readouterr().err)
+        out = real(*a, **k)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return out
+
+    overrides = [a for a in TINY_RUN if not a.startswith("train.log_every")]
+    cfg = compose_config(
+        [f"run.root={tmp_path}", "run.name=s", *overrides, "train.log_every=5", "train.steps=8"]
+        + ["data=synthetic", "checkpoint=sync", "checkpoint.interval=100", "train.device=cpu"]
+    )
+    train.train_step = step_and_signal
+    try:
+        assert train.run(cfg) == 3
+    finally:
+        train.train_step = real
+    said = [x for x in early[0].splitlines() if x.startswith("stopping:")]
+    assert len(said) == 1 and re.fullmatch(
+        r"stopping: SIGUSR1 received during step 2; the run saves a checkpoint of step 5 at "
+        r"the latest \(the next log step, train.log_every=5\), in about \d+s at this run's "
+        r"pace, then exits",
+        said[0],
+    ), early[0]
+    assert "stopping:" not in capfd.readouterr().err  # said once
+    assert committed(tmp_path / "s" / "checkpoints") == [5]
