@@ -196,7 +196,8 @@ class ResumeConfig:
     #: docs/RUNS.md (Resume and extending a run).
     accept: list[str] = field(default_factory=list)
     #: After a resume, the checkpoints from before it are not pruned until the segment's first
-    #: 3 logged losses are within the range the run logged before it (checkpoint/health.py).
+    #: 3 logged losses are in line with the run's last 8 before it: their fitted level, plus 5
+    #: step-to-step noises, at least 5% (checkpoint/health.py).
     #: When all 3 are above it: stop (one line naming the checkpoint resumed from and the older
     #: one kept), continue (say so and go on, keeping them), or off (no check).
     loss_check: str = "stop"

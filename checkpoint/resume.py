@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hashing, store
 from checkpoint.context import ERRORS, Context, checkpoint_root, find, first_line
-from checkpoint.health import LossRange, ResumeWatch
+from checkpoint.health import Recent, ResumeWatch
 from checkpoint.planners import BlockLoadPlanner
 from checkpoint.reader import CheckpointReader, first_problem
 from checkpoint.state import ModelState, TrainState
@@ -646,15 +646,15 @@ class Resumer:
     def watch_loss(self, records: list[dict] | None, policy: str = "stop") -> int | None:
         """CheckpointManager.watch_resumed_loss: the step whose checkpoints are held from
         pruning while the resumed segment's first losses are judged (None: nothing to watch).
-        A collective (a broadcast of rank 0's loss range)."""
+        A collective (a broadcast of what rank 0's metrics show before the resume)."""
         ctx = self.ctx
-        loss_range = None
+        recent = None
         if ctx.rank == 0 and records is not None and self.resumed is not None:
-            loss_range = LossRange.from_records(records, self.resumed[1])
-        loss_range = ctx.broadcast(loss_range)
-        if loss_range is None or policy == "off" or not ctx.saving or self.resumed is None:
+            recent = Recent.from_records(records, self.resumed[1])
+        recent = ctx.broadcast(recent)
+        if recent is None or policy == "off" or not ctx.saving or self.resumed is None:
             return None
-        self._watch, self._watch_policy = ResumeWatch(loss_range), policy
+        self._watch, self._watch_policy = ResumeWatch(recent), policy
         return self.resumed[1]
 
     def judge_loss(self, step: int, loss: float) -> tuple[str | None, str]:
@@ -686,8 +686,8 @@ class Resumer:
             else "no older checkpoint is kept (checkpoint.keep_last=1 pruned it before)"
         )
         return (
-            f"the loss after resuming from {path} (step {resumed_step}) is above the range "
-            f"this run logged before it: {self._watch.describe()}; that checkpoint may hold "
+            f"the loss after resuming from {path} (step {resumed_step}) is above what this "
+            f"run logged just before it: {self._watch.describe()}; that checkpoint may hold "
             "damage its checks cannot see (a changed weight whose hash was rewritten, or "
             f"checkpoint.checksum=false); {kept}"
         )

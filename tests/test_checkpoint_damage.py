@@ -181,46 +181,62 @@ _RUN = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run at step 8 (checkpoints 4 and 8, every loss logged), copied by each test."""
+    """Issue 46's run at step 12 (checkpoints 8 and 12, every loss logged), copied by each
+    test."""
     import train
 
     tmp = tmp_path_factory.mktemp("trained")
     try:
-        assert train.run(_compose(tmp, "r", "train.steps=8", *_RUN)) == 0
+        assert train.run(_compose(tmp, "r", "train.steps=12", *_RUN)) == 0
     finally:
         close_open()
     return tmp / "r"
 
 
-def _scale_weight(ckpt: Path, fqn: str, factor: float, rewrite_hash: bool) -> None:
-    """Multiply a saved weight by `factor` in place: every value stays finite."""
+def _set_element(ckpt: Path, fqn: str, value: float, rewrite_hash: bool) -> None:
+    """Issue 46's damage: one element of a saved weight set to `value` in place (finite)."""
     path, offset, length = _item(ckpt, fqn)
     data = bytearray(path.read_bytes())
     record = bytes(data[offset : offset + length])  # torch.save's (uncompressed) zip
     tensor = torch.load(io.BytesIO(record), weights_only=True)
     raw = tensor.numpy().tobytes()
     at = offset + record.index(raw)
-    data[at : at + len(raw)] = (tensor * factor).numpy().tobytes()
+    damaged = tensor.clone()
+    damaged.view(-1)[0] = value
+    data[at : at + len(raw)] = damaged.numpy().tobytes()
     path.write_bytes(bytes(data))
     if rewrite_hash:
         _rewrite_hash(ckpt, path.name)
+
+
+def _expected_limit(losses: list[float]) -> tuple[float, float, float]:
+    """checkpoint/health.py's rule, computed here with torch: (level, noise, limit) of the
+    last 8 losses logged every step."""
+    y = torch.tensor(losses[-8:], dtype=torch.float64)
+    x = torch.arange(len(y), dtype=torch.float64)
+    slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    level = float(y.mean() + slope * (x[-1] - x.mean()))
+    noise = float(torch.diff(y).std() / 2**0.5)
+    return level, noise, level + max(float(slope), 0) * 3 + max(5 * noise, 0.05 * level)
 
 
 @pytest.mark.parametrize("checksum, policy", [(True, "stop"), (False, "stop"), (True, "continue")])
 def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
     trained, tmp_path, checksum, policy
 ):
-    """The issue's damage: a weight changed and its hash rewritten (or changed with
-    checkpoint.checksum=false). It used to resume, train on, and let keep_last=2 prune the
-    good step 4: nothing good was left."""
+    """Issue 46's case: one element of layers.0.self_attention.proj.weight in step 12's
+    checkpoint set to 3e4 and its hash rewritten (or changed with checkpoint.checksum=false).
+    The resumed losses are back at the untrained model's; the range of all 12 losses logged
+    (step 1's untrained one among them) passed them, and keep_last=2 pruned the good step 8."""
     import train
 
     shutil.copytree(trained, tmp_path / "r")
     root = tmp_path / "r" / "checkpoints"
-    _scale_weight(root / "step_0000008", "model.lm_head.weight", 40.0, rewrite_hash=checksum)
+    fqn = "model.layers.0.self_attention.proj.weight"
+    _set_element(root / "step_0000012", fqn, 3e4, rewrite_hash=checksum)
     if checksum:
-        assert store.verify(root / "step_0000008") is None  # every check passes
-    args = ["train.steps=16", "resume.accept=[train.steps]", *_RUN]
+        assert store.verify(root / "step_0000012") is None  # every check passes
+    args = ["train.steps=20", "resume.accept=[train.steps]", *_RUN]
     args += [f"checkpoint.checksum={str(checksum).lower()}", f"resume.loss_check={policy}"]
     out = io.StringIO()
     try:
@@ -233,28 +249,31 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
     finally:
         close_open()
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
-    before = [r["loss"] for r in records if r["step"] <= 8]
-    limit = max(before) + max(max(before) - min(before), 0.02 * max(before))
-    first = [r["loss"] for r in records if 9 <= r["step"] <= 11]
+    before = [r["loss"] for r in records if r["step"] <= 12]
+    level, noise, limit = _expected_limit(before)
+    first = [r["loss"] for r in records if 13 <= r["step"] <= 15]
     assert min(first) > limit  # the damage shows in the loss (what the check relies on)
+    assert min(first) > before[0] - 0.1  # back at the untrained model's loss ...
+    assert max(first) < max(before) + max(before) - min(before)  # ... which the old rule passed
     expected = (
-        f"the loss after resuming from {root / 'step_0000008'} (step 8) is above the range this "
-        f"run logged before it: losses {', '.join(f'{v:.3f}' for v in first)} at steps 9-11, "
-        f"against at most {limit:.3f} (the last 8 losses logged before the resume: "
-        f"{min(before):.3f}-{max(before):.3f}); that checkpoint may hold damage its checks "
-        "cannot see (a changed weight whose hash was rewritten, or checkpoint.checksum=false); "
-        f"the older checkpoint {root / 'step_0000004'} is kept: resume from it with "
-        f"checkpoint.resume={root / 'step_0000004'}"
+        f"the loss after resuming from {root / 'step_0000012'} (step 12) is above what this run "
+        f"logged just before it: losses {', '.join(f'{v:.3f}' for v in first)} at steps 13-15, "
+        f"against at most {limit:.3f} (the level {level:.3f} that the last 8 losses logged "
+        f"before the resume (steps 5-12) lead to, + 5 x their step-to-step noise {noise:.3f}); "
+        "that checkpoint may hold damage its checks cannot see (a changed weight whose hash was "
+        "rewritten, or checkpoint.checksum=false); the older checkpoint "
+        f"{root / 'step_0000008'} is kept: resume from it with "
+        f"checkpoint.resume={root / 'step_0000008'}"
     )
     if policy == "stop":
         assert str(e.value) == f"{expected}; or go on with resume.loss_check=continue"
-        assert committed(root) == [4, 8]
-        assert [r["step"] for r in records][-1] == 11  # stopped at the verdict
+        assert committed(root) == [8, 12]
+        assert [r["step"] for r in records][-1] == 15  # stopped at the verdict
     else:
         assert (
             f"checkpoint: warning: {expected}; going on (resume.loss_check=continue), holding it"
         ) in out.getvalue().splitlines()
-        assert committed(root) == [4, 8, 12, 16]  # keep_last=2, and the held 4 and 8
+        assert committed(root) == [8, 12, 16, 20]  # keep_last=2, and the held 8 and 12
 
 
 def test_healthy_resume_releases_the_hold(trained, tmp_path):
@@ -267,7 +286,7 @@ def test_healthy_resume_releases_the_hold(trained, tmp_path):
     out = io.StringIO()
     try:
         with redirect_stdout(out):
-            args = ["train.steps=12", "resume.accept=[train.steps]", *_RUN]
+            args = ["train.steps=16", "resume.accept=[train.steps]", *_RUN]
             assert train.run(_compose(tmp_path, "r", *args)) == 0
     finally:
         close_open()
@@ -275,24 +294,56 @@ def test_healthy_resume_releases_the_hold(trained, tmp_path):
         x.startswith("checkpoint: resumed segment healthy: losses ")
         for x in out.getvalue().splitlines()
     ), out.getvalue()
-    assert committed(root) == [8, 12]
+    assert committed(root) == [12, 16]
 
 
-def test_loss_range_limit_against_reference_numbers():
-    from checkpoint.health import LossRange, ResumeWatch
+def test_recent_losses_rule_on_synthetic_sequences():
+    from checkpoint.health import Recent, ResumeWatch
 
-    records = [{"step": s, "loss": v} for s, v in enumerate([9.0, 4.0, 3.7, 3.5, 3.6], 1)]
-    records.append({"step": 6, "loss": 99.0})  # after the resumed step: not the run's range
-    r = LossRange.from_records(records, resumed_step=5)
-    assert (r.low, r.high, r.count) == (3.5, 9.0, 5) and r.limit == 14.5
-    flat = LossRange.from_records([{"step": s, "loss": 2.0} for s in (1, 2, 3)], 3)
-    assert flat.limit == pytest.approx(2.04)  # the 2% floor
-    assert LossRange.from_records(records[:2], 5) is None  # too little history
-    watch = ResumeWatch(LossRange(3.5, 3.9, 20))  # limit 4.3
-    assert [watch.observe(s, v) for s, v in ((9, 5.6), (10, 4.0), (11, 5.5))] == [
-        None,
-        None,
-        "healthy",  # one loss within the range: a spike, not damage
-    ]
-    watch = ResumeWatch(LossRange(3.5, 3.9, 20))
-    assert [watch.observe(s, 5.6) for s in (9, 10, 11)] == [None, None, "unhealthy"]
+    def verdict(before, after, start=1):
+        recent = Recent.from_losses(list(enumerate(before, start)))
+        watch = ResumeWatch(recent)
+        steps = range(start + len(before), start + len(before) + len(after))
+        return [watch.observe(s, v) for s, v in zip(steps, after)][-1], recent
+
+    # Issue 46's numbers: 12 losses falling from the untrained 5.565 to 4.10, then a model
+    # reset to chance. The old range (4.098-5.565, limit 7.031) passed it.
+    before = [5.565, 5.43, 5.17, 5.00, 4.69, 4.56, 4.54, 4.35, 4.38, 4.27, 4.18, 4.10]
+    got, recent = verdict(before, [5.56, 5.55, 5.55])
+    assert got == "unhealthy"
+    assert (recent.first_step, recent.last_step, recent.count) == (5, 12, 8)
+    assert recent.level == pytest.approx(4.1)  # the line through steps 5-12, at step 12
+    assert recent.noise == pytest.approx(0.05097, abs=1e-5)
+    assert recent.limit == pytest.approx(4.1 + 5 * 0.05097, abs=1e-4)  # falling: no trend
+    # Its healthy continuation, one spiky batch included: healthy.
+    assert verdict(before, [4.05, 4.62, 3.98])[0] == "healthy"
+    assert verdict(before, [4.34, 4.30, 4.35])[0] == "healthy"  # within 5 noises
+    assert verdict(before, [4.36, 4.37, 4.36])[0] == "unhealthy"  # all 3 beyond
+    # An early resume, only 3 losses before it: level and trend from those.
+    got, recent = verdict([5.56, 5.20, 4.90], [5.56, 5.55, 5.54])
+    assert got == "unhealthy" and recent.count == 3
+    assert recent.margin == pytest.approx(0.05 * recent.level)  # 2 differences: the floor
+    assert verdict([5.56, 5.20, 4.90], [4.70, 4.80, 4.50])[0] == "healthy"
+    assert Recent.from_losses([(1, 5.5), (2, 5.4)]) is None  # too little history
+    # Flat and noiseless: the 5% floor, not 5 x 0.
+    flat = Recent.from_losses([(s, 2.0) for s in range(1, 9)])
+    assert (flat.noise, flat.limit) == (0.0, pytest.approx(2.1))
+    assert verdict([2.0] * 8, [2.09, 2.09, 2.09])[0] == "healthy"
+    assert verdict([2.0] * 8, [2.11, 2.11, 2.11])[0] == "unhealthy"
+    # A rising trend (0.1 a step) is carried over the 3 judged losses.
+    rising = Recent.from_losses([(s, 3.0 + 0.1 * s) for s in range(1, 9)])
+    assert rising.rise == pytest.approx(0.3) and rising.limit == pytest.approx(3.8 + 0.3 + 0.19)
+    # log_every=5: the trend per step, carried over 3 logged losses (15 steps).
+    spaced = Recent.from_losses([(5 * s, 3.0 + 0.1 * s) for s in range(1, 9)])
+    assert spaced.rise == pytest.approx(0.3)
+
+
+def test_recent_losses_from_records():
+    from checkpoint.health import Recent
+
+    records = [{"step": s, "loss": 10.0 - s} for s in range(1, 13)]
+    records += [{"step": 11, "loss": float("nan")}, {"step": 3}]  # non-finite, no loss
+    records += [{"step": 12, "loss": 0.5}]  # a later segment's record of step 12 replaces it
+    records += [{"step": 13, "loss": 99.0}]  # after the resumed step: not the run's
+    r = Recent.from_records(records, resumed_step=12)
+    assert (r.first_step, r.last_step, r.count) == (4, 12, 8)  # steps 4-10 and 12
