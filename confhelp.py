@@ -4,6 +4,7 @@ generated from it.
 
     python train.py --help                      # every field, grouped, and the group options
     python train.py --help model parallel.cp    # fields under these prefixes only
+    python train.py --help lr                   # no field starts with it: fields named with it
     python train.py --help model=llama3_8b      # defaults as composed with these overrides
     python confhelp.py --write                  # regenerate docs/CONFIGURATION.md
 
@@ -315,6 +316,7 @@ def render_text(
     ]
     for cmd, what in (
         ("--help model parallel.cp", "only the fields under these prefixes"),
+        ("--help lr", "the fields named with a word"),
         ("--help model=llama3_8b", "the defaults of another config"),
         ("--cfg job", "the whole composed config, as YAML"),
         ("-m optim.lr=1e-3,3e-3", "a sweep: one run per value (docs/RUNS.md, Sweeps)"),
@@ -417,6 +419,33 @@ def no_field_line(prefixes: typing.Sequence[str]) -> str:
     return f"no config field starts with {' or '.join(prefixes)}{hint}"
 
 
+def fields_by_word(word: str) -> list[str]:
+    """The fields whose name holds `word` as a word (`lr`: optim.lr, optim.min_lr_ratio), else
+    as part of one: what `--help WORD` shows when no field starts with WORD."""
+    paths = [f.path for f in schema_fields()]
+    word = word.lower()
+    hits = [p for p in paths if word in re.split(r"[._\[\]]+", p.lower())]
+    return hits or [p for p in paths if word in p.lower()]
+
+
+def _resolve(prefixes: typing.Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """(what to show: prefixes, and the fields a word search found; one line per word search;
+    the prefixes that match nothing)."""
+    paths = [f.path for f in schema_fields()]
+    shown, notes, unknown = [], [], []
+    for p in prefixes:
+        if any(_matches(path, [p]) for path in paths):
+            shown.append(p)
+        elif hits := fields_by_word(p):
+            shown += hits
+            notes.append(
+                f"no config field starts with {p}; the fields named with it: {', '.join(hits)}"
+            )
+        else:
+            unknown.append(p)
+    return shown, notes, unknown
+
+
 def main(argv: typing.Sequence[str]) -> int:
     """`python train.py --help ...` (argv: train.py's arguments) and `python confhelp.py`."""
     args = [a for a in argv if a not in ("--help", "-h")]
@@ -429,18 +458,22 @@ def main(argv: typing.Sequence[str]) -> int:
         return 0
     overrides = [a for a in args if "=" in a]
     prefixes = [a for a in args if "=" not in a and not a.startswith("-")]
+    shown, notes, unknown = _resolve(prefixes)  # `--help lr`: a word, not a prefix
     try:
         from overrides import check_overrides
 
         check_overrides(overrides)  # a wrong override: the line a run would give
-        text = render_text(prefixes, overrides)
+        text = render_text(shown, overrides)
     except Exception as e:  # an override Hydra cannot compose: say so in one line
         print(f"error: --help {' '.join(overrides)}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    if prefixes and not any(_matches(f.path, prefixes) for f in schema_fields()):
-        print(f"error: {no_field_line(prefixes)}", file=sys.stderr)
+    if unknown:
+        print(f"error: {no_field_line(unknown)}", file=sys.stderr)
         return 2
-    sys.stdout.write(text)
+    said = [
+        line for n in notes for line in textwrap.wrap(n, terminal_width(), subsequent_indent="  ")
+    ]
+    sys.stdout.write("".join(f"{line}\n" for line in said) + ("\n" if said else "") + text)
     return 0
 
 

@@ -205,6 +205,22 @@ def test_help_answers_a_wrong_prefix_or_option_in_one_line(capsys, monkeypatch):
     )
 
 
+def test_help_finds_fields_by_word_when_no_field_starts_with_it(capsys, monkeypatch):
+    """`--help lr` and `--help batch`: no field starts with them, so the fields whose name
+    holds the word are shown, under one line that says so."""
+    for word, found in (
+        ("lr", ["optim.lr", "optim.min_lr_ratio"]),
+        ("batch", ["train.global_batch_size", "train.micro_batch_size"]),
+    ):
+        status, out, err = _help(capsys, monkeypatch, word, columns=200)
+        assert status == 0 and not err
+        assert out.splitlines()[0] == (
+            f"no config field starts with {word}; the fields named with it: {', '.join(found)}"
+        )
+        shown = re.findall(r"^  ([a-z_]+\.[a-z_.]+) = ", out, flags=re.M)
+        assert shown == found, out
+
+
 def _code_constants() -> set[str]:
     """Module-level UPPER_CASE names (with an underscore) of the project's Python files."""
     import ast
