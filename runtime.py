@@ -391,6 +391,9 @@ class StopSignal:
         # checkpoint=none keeps SIGUSR1's and SIGTERM's default meaning (terminate).
         signals = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT) if save else (signal.SIGINT,)
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+        # slurm/run_trainer.py holds stop signals until now: one sent during the imports is
+        # delivered here, to the handler (or, checkpoint=none, with its default action).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGTERM})
 
     def restore(self) -> None:
         """The handlers as they were (tools and tests call train.run several times)."""

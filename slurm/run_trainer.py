@@ -8,15 +8,24 @@ the batch script cannot see train.py's EXIT_REQUEUE (3: checkpoint saved on a st
 requeue me) in srun's status. Each worker writes its status to $TRAIN_STATUS_DIR/rank<RANK>
 instead (the directory must be shared by the nodes, as the run directory is). The script
 runs in this very process (runpy), so the signals torchrun and the batch script send reach
-its handlers exactly as with `torchrun train.py`.
+its handlers exactly as with `torchrun train.py`; SIGUSR1 and SIGTERM are held (blocked)
+until they are installed.
 """
 
 from __future__ import annotations
 
-import os
-import runpy
-import sys
-from pathlib import Path
+import signal
+
+# Held until the script installs its handlers (runtime.StopSignal unblocks them): a stop
+# signal that comes while a trainer imports torch (Slurm's warning due at the job's start,
+# forwarded as soon as the trainers exist) would otherwise end it with SIGUSR1's default
+# action, before it can save, and the job would fail instead of requeueing.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM})
+
+import os  # noqa: E402
+import runpy  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 
 def main() -> None:

@@ -35,13 +35,15 @@
 #                                         # that need 2+ GPUs, recomputation (ac), layout parity vs 1 GPU incl. cp
 #                                         # and documents, the resume matrix (6 layouts + cp=2 x fsdp, cp=2 x tp),
 #                                         # resharding 4 -> 2 -> 1 and 1 -> 4 per recipe (+quantized_init), kill -9
-#                                         # of a rank mid async save then an exact resume; one table last
+#                                         # of a rank mid async save then an exact resume, two nodes on one
+#                                         # host (twonode: 2 agents x 2 GPUs vs 1 x 4, hsdp_tp and fsdp_tp,
+#                                         # tests/harness/two_node.py); one table last
 #                                         # ($OUT/multitier_table.md, logs in $OUT/multitier_logs.tgz). A part
 #                                         # that needs more GPUs is "not run"; exit 1 on any failed or not-run row
 #                                         # (MULTITIER_ALLOW_NOT_RUN=1: only failures). MULTITIER_PARTS="parity
 #                                         # kill9" for a subset, MULTITIER_TIMEOUT=420 s per job, MULTITIER_WAVES
-#                                         # the parts run together ("tests,ac,parity,reshard,kill9 matrix": two
-#                                         # waves); MULTITIER_DRY=4 prints the commands of 4 GPUs instead
+#                                         # the parts run together ("tests,ac,parity,reshard,kill9 matrix
+#                                         # twonode": three waves); MULTITIER_DRY=4 prints the commands of 4 GPUs instead
 #
 # Logs and JSON go to $OUT (default: ./gpu-suite-out). Each stage prints its table last.
 set -uo pipefail
@@ -528,7 +530,7 @@ determinism() {
 
 # -- multitier: every multi-GPU check in one call (tests/harness/multitier.py makes the table) --
 
-MT_PARTS=(tests ac parity matrix reshard kill9)
+MT_PARTS=(tests ac parity matrix reshard kill9 twonode)
 
 # shellcheck disable=SC2329
 mt_py() { "$PY" -m tests.harness.multitier "$@"; }
@@ -680,6 +682,23 @@ mt_kill9() {
 }
 
 # shellcheck disable=SC2329
+mt_twonode() {  # two nodes on one host: two torchrun agents of 2 GPUs (slurm/launch.py,
+                # --nnodes=2, c10d rendezvous) against one agent of 4 GPUs, bit for bit
+    mt_needs twonode "2 nodes x 2 GPUs vs 1 node x 4 GPUs" 4 || return 0
+    local rc worst=0 layout
+    for layout in hsdp_tp fsdp_tp; do
+        rc=$(mt_job twonode "$layout" "$MT/twonode_$layout.log" "$PY" -m tests.harness.two_node \
+            --nproc-per-node 2 --root "$MT_ROOT/twonode_$layout" --timeout $((MT_T / 2)) \
+            --case "$layout: 2 nodes x 2 GPUs vs 1 node x 4" --jsonl "$MT/twonode.jsonl" -- \
+            "${MATRIX_MODEL[@]}" "parallel=$layout" parallel.tp=2 recipe=bf16 train.steps=10 \
+            train.deterministic=true data.document_mask=false)
+        ((rc > worst)) && worst=$rc
+    done
+    mt_py rows rows "$MT/twonode.jsonl" --part twonode --job twonode --rc "$worst" \
+        --timeout "$MT_T" --out "$MT/rows_twonode.jsonl"
+}
+
+# shellcheck disable=SC2329
 multitier() {
     stage "multitier: every multi-GPU check on $NGPU GPUs, side by side (parts: ${MULTITIER_PARTS:-${MT_PARTS[*]}})"
     MT="$OUT/multitier" MT_ROOT=/tmp/gpu-suite-multitier MT_T=${MULTITIER_TIMEOUT:-420}
@@ -698,7 +717,7 @@ multitier() {
     # at once (about 90 processes) ran 80 GiB H100s out of memory ("Failed to CUDA calloc"
     # inside NCCL); the resume matrix (32 processes) runs alone.
     local wave waves=()
-    read -r -a waves <<< "${MULTITIER_WAVES:-tests,ac,parity,reshard,kill9 matrix}"
+    read -r -a waves <<< "${MULTITIER_WAVES:-tests,ac,parity,reshard,kill9 matrix twonode}"
     for wave in "${waves[@]}"; do
         pids=()
         for p in "${parts[@]}"; do
