@@ -79,7 +79,7 @@ def table(rows: list[dict], at: list[int]) -> str:
     return benchlib.table(head, out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--no-quantized-init", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     ap.add_argument("train_overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

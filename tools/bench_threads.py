@@ -118,7 +118,7 @@ def case(threads: int, busy: int, steps: int, nproc: int, root: Path, synthetic=
             p.join()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     cores = os.cpu_count() or 1
     counts = sorted({1, 2, 4, 8, cores} & set(range(1, cores + 1)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
-    args, rest = ap.parse_known_args()
+    args, rest = ap.parse_known_args(argv)
     if args.inner:
         return synthetic_steps(int(rest[0]))
     print(f"cores: {cores} (os.cpu_count), usable: {len(os.sched_getaffinity(0))}", flush=True)

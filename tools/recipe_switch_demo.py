@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     switched, log = run(
         "switch", [*common, f"recipe.switch=[{{at: {args.at}, name: bf16}}]"], args.out
     )
-    reference, _ = run("fp8", common, args.out)
+    # The reference saves nothing (interval 0 without the switch's save: the config check
+    # refuses checkpoint=sync that never saves).
+    reference, _ = run("fp8", [*common, "checkpoint=none"], args.out)
     step_of = next((r["step"] for r in switched if r.get("recipe_switch")), None)
     if step_of is None:
         sys.exit("error: the switch run logged no recipe switch (is --at past --steps?)")

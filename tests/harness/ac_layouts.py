@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 -m tests.harness.ac_layouts --layouts fsdp hsdp fsdp_tp \
         --jsonl out.jsonl                                                   # GPU, TE, 2 GPUs
+    torchrun --nproc_per_node=2 -m tests.harness.ac_layouts --cpu          # gloo, a check of the harness
 
 (from the repository root). One process group, TE imported once: for each layout, each recipe
 variant (bf16, and each FP8 recipe this GPU runs with and without quantized_init) and each
@@ -17,6 +18,9 @@ Before the cases, one row shows the gap compat/te.py fixes with TE alone: fp8_cs
 quantized_init and selective recomputation under fsdp with TE's own FSDP2 pre-all-gather hook,
 which must fail with TE's "Cannot generate FP8 data" error (the row passes when it does; when
 a TE release stops failing, the row says so and compat's fix can go).
+
+`--cpu` runs the reference model (model.impl=torch, bf16, a 64-wide model of the same depth)
+over gloo on the CPU, without the TE row: a check of these code paths, not of TE.
 """
 
 from __future__ import annotations
@@ -42,9 +46,20 @@ LAYOUTS = {  # conf/parallel's options, resolved for the world size by ParallelD
 }
 
 
-def model_config():
+def model_config(cpu: bool = False):
     from model.config import ModelConfig
 
+    if cpu:  # the same depth, CPU-sized widths
+        return ModelConfig(
+            name="ac-layouts-cpu",
+            dim=64,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=128,
+            vocab_size=256,
+            max_seq_len=32,
+        )
     # Every width a multiple of 128 per TP rank (FP8 GEMMs, 128x128 blocks), 4 blocks so that
     # a resharding block sits between the first and the last (which never reshards).
     return ModelConfig(
@@ -59,17 +74,17 @@ def model_config():
     )
 
 
-def layout_dims(layout: str):
+def layout_dims(layout: str, device_type: str = "cuda"):
     """The layout's ParallelDims with its mesh (built once per layout: each mesh makes new
     process groups)."""
     from parallel import ParallelConfig, ParallelDims
 
     dims = ParallelDims(ParallelConfig(**LAYOUTS[layout]), int(os.environ["WORLD_SIZE"]))
-    dims.build_mesh("cuda")
+    dims.build_mesh(device_type)
     return dims
 
 
-def run_case(dims, recipe_name: str, qinit: bool, mode: str, every: int) -> dict:
+def run_case(dims, recipe_name: str, qinit: bool, mode: str, every: int, cpu: bool = False) -> dict:
     from dataclasses import replace
 
     import torch
@@ -81,21 +96,23 @@ def run_case(dims, recipe_name: str, qinit: bool, mode: str, every: int) -> dict
     from steps import train_step
     from train import build_parallel_model
 
-    cfg = model_config()
+    cfg = model_config(cpu)
+    impl = "torch" if cpu else "te"
     recipe = build_recipe(
         RecipeConfig(name=recipe_name, quantized_init=qinit, bf16_layers=[]), cfg.n_layers
     )
     dims.cfg = replace(
         dims.cfg, activation_checkpointing=mode, activation_checkpointing_every=every
     )
-    device = torch.device("cuda", torch.cuda.current_device())
-    model, group = build_parallel_model(cfg, "te", recipe, dims, device, seed=5)
-    opt = build_optimizer(model, OptimConfig(lr=1e-3), "te", recipe.fused_adam_kwargs())
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    model, group = build_parallel_model(cfg, impl, recipe, dims, device, seed=5)
+    opt = build_optimizer(model, OptimConfig(lr=1e-3), impl, recipe.fused_adam_kwargs())
     recipe.attach_optimizer(model, opt, group)
     # The same tokens on every rank of a data-parallel group; different groups, different rows.
-    g = torch.Generator(device="cuda").manual_seed(11 + dims.dp_rank)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 2, 257), device=device, generator=g)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(11 + dims.dp_rank)
+    shape = (2, 2, cfg.max_seq_len + 1)
+    tokens = torch.randint(0, cfg.vocab_size, shape, device=device, generator=g)
+    autocast = None if cpu else torch.autocast("cuda", dtype=torch.bfloat16)
     losses = []
     for step in range(2):
         loss, _ = train_step(
@@ -107,6 +124,8 @@ def run_case(dims, recipe_name: str, qinit: bool, mode: str, every: int) -> dict
         losses.append(loss.item())
     del model, opt
     gc.collect()
+    if cpu:
+        return dict(loss1=losses[0], loss2=losses[1], peak_gib=0.0)
     torch.cuda.empty_cache()
     return dict(
         loss1=losses[0], loss2=losses[1], peak_gib=torch.cuda.max_memory_allocated() / 2**30
@@ -173,13 +192,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", nargs="+", default=["fsdp", "hsdp", "fsdp_tp"])
     ap.add_argument("--recipes", nargs="+", default=sorted({v[0] for v in VARIANTS}))
     ap.add_argument("--no-gap", action="store_true", help="skip the TE-alone row")
     ap.add_argument("--jsonl", default=None)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="reference model over gloo on the CPU, bf16 only (a check of the harness)",
+    )
+    args = ap.parse_args(argv)
 
     import torch
     import torch.distributed as dist
@@ -188,12 +212,21 @@ def main() -> int:
     from recipes import runnable_recipes
     from recipes.recipe import device_capability
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", timeout=timedelta(seconds=180))
+    # A process group that is already there is used and kept (tests/test_harness_smoke.py
+    # runs main() in its gloo ranks).
+    joined = dist.is_initialized()
+    if args.cpu:
+        if not joined:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+        runnable = ["bf16"]
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if not joined:
+            dist.init_process_group("nccl", timeout=timedelta(seconds=180))
+        _, capability = device_capability(torch.device("cuda"))
+        runnable = runnable_recipes(capability)
     compat.apply_all()  # what train.py does before building a model
     rank = dist.get_rank()
-    _, capability = device_capability(torch.device("cuda"))
-    runnable = runnable_recipes(capability)
     rows = []
 
     def emit(row: dict) -> None:
@@ -202,7 +235,7 @@ def main() -> int:
     if not args.no_gap and "fp8_cs" in runnable:
         emit(gap_row(layout_dims("fsdp")))
     for layout in args.layouts:
-        dims = layout_dims(layout)
+        dims = layout_dims(layout, "cpu" if args.cpu else "cuda")
         for recipe, qinit in VARIANTS:
             if recipe not in args.recipes or recipe not in runnable:
                 continue
@@ -214,7 +247,7 @@ def main() -> int:
                     mode=mode + (f" /{every}" if every > 1 else ""),
                 )
                 try:
-                    row = dict(key, **run_case(dims, recipe, qinit, mode, every))
+                    row = dict(key, **run_case(dims, recipe, qinit, mode, every, args.cpu))
                 except Exception as e:  # raised on every rank alike (TE, torch): next case
                     if rank == 0:
                         traceback.print_exc()
@@ -230,7 +263,8 @@ def main() -> int:
         passed = sum(bool(r["ok"]) for r in rows)
         print("\n" + table(rows))
         print(f"\nac_layouts: {passed} passed, {len(rows) - passed} failed")
-    dist.destroy_process_group()
+    if not joined:
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -3,16 +3,18 @@
     python -m tests.harness.kill_save --root /tmp/k --jsonl rows.jsonl -- model=tiny \\
         train.deterministic=true                                          # 2 GPUs (default)
     python -m tests.harness.kill_save --root /tmp/k -- model=tiny model.impl=torch   # CPU, gloo
+    python -m tests.harness.kill_save --root /tmp/k --interval 2 -- model=tiny   # CPU, 8 steps
 
 (from the repository root). Three torchrun jobs of train.py on --nproc processes, with
-checkpoint=async every 5 steps, 20 steps, parallel=fsdp (the overrides after `--` add to or
-replace these):
+checkpoint=async every --interval (I, default 5) steps, 4 I steps, parallel=fsdp (the overrides
+after `--` add to or replace these). Below, for I = 5:
 
     reference   the uninterrupted run (started beside the killed one, same devices)
     killed      the same command under this file as the program (KILL_SAVE_MARKER set): the
                 save of step 10 writes every rank's data, then each rank's writer thread
                 hangs before the commit and writes KILL_SAVE_MARKER.rank<r> (its pid). Once
-                both ranks are there and training went on to step 12, rank 0 gets SIGKILL;
+                both ranks are there and training went on to step 12 (2 I + 2), rank 0 gets
+                SIGKILL;
                 torchrun tears down the other rank (the harness kills what is left after 90 s).
                 Then only step 5 is committed and step_0000010.tmp holds uncommitted data.
     resumed     the same train.py command on the killed run's directory: it must resume from
@@ -36,15 +38,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KILL_STEP, AFTER_STEP, INTERVAL, STEPS = 10, 12, 5, 20
+
+
+def schedule(interval: int) -> tuple[int, int, int]:
+    """(the step whose save hangs, the step training must reach before the kill, the steps of
+    every run) for a checkpoint every `interval` steps."""
+    return 2 * interval, 2 * interval + 2, 4 * interval
 
 
 def hang_after_write(marker: str, step: int) -> None:
     """In this process: the async save of `step` writes its data, then hangs before the commit
     (the writer thread sleeps), after writing `<marker>.rank<RANK>` with this process's pid."""
-    from checkpoint.manager import CheckpointManager
+    # The writer of every save (checkpoint/save.py): on the `ckpt-write` thread for
+    # checkpoint=async, so training goes on while it sleeps.
+    from checkpoint.save import Saver
 
-    write = CheckpointManager._write_here
+    write = Saver._write_here
 
     def slow(self, state, tmp, save_id):
         out = write(self, state, tmp, save_id)
@@ -54,7 +63,7 @@ def hang_after_write(marker: str, step: int) -> None:
             time.sleep(3600)
         return out
 
-    CheckpointManager._write_here = slow
+    Saver._write_here = slow
 
 
 def as_train_py() -> None:
@@ -63,9 +72,7 @@ def as_train_py() -> None:
 
     train = ROOT / "train.py"
     sys.path[0] = str(ROOT)  # as if train.py had been started itself
-    hang_after_write(
-        os.environ["KILL_SAVE_MARKER"], int(os.environ.get("KILL_SAVE_STEP", KILL_STEP))
-    )
+    hang_after_write(os.environ["KILL_SAVE_MARKER"], int(os.environ["KILL_SAVE_STEP"]))
     sys.argv[0] = str(train)
     runpy.run_path(str(train), run_name="__main__")
 
@@ -109,9 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jsonl", type=Path, default=None)
     ap.add_argument("--part", default="kill9")
     ap.add_argument("--timeout", type=float, default=240, help="per run, seconds")
+    ap.add_argument("--interval", type=int, default=5, help="checkpoint every N steps (>= 1)")
     ap.add_argument("--logs", type=Path, default=None, help="job logs (default: --root)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
+    if a.interval < 1:
+        ap.error("--interval must be at least 1")
+    interval = a.interval
+    kill_step, after_step, steps = schedule(interval)
 
     from checkpoint import store
     from runlog import load_run
@@ -124,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     base = [
         "parallel=fsdp",
         "checkpoint=async",
-        f"checkpoint.interval={INTERVAL}",
+        f"checkpoint.interval={interval}",
         "checkpoint.keep_last=4",
-        f"train.steps={STEPS}",
+        f"train.steps={steps}",
         "train.log_every=1",
         f"run.root={a.root}",
         *a.overrides,
@@ -150,21 +162,21 @@ def main(argv: list[str] | None = None) -> int:
         str(Path(__file__).resolve()),
         [*base, "run.name=killed"],
         logs / "kill9_killed.log",
-        env={"KILL_SAVE_MARKER": str(marker), "KILL_SAVE_STEP": str(KILL_STEP)},
+        env={"KILL_SAVE_MARKER": str(marker), "KILL_SAVE_STEP": str(kill_step)},
     )
     wanted = [Path(f"{marker}.rank{r}") for r in range(a.nproc)]
     landed, why = False, ""
     while True:
-        if all(p.exists() for p in wanted) and last_step(run_dir) >= AFTER_STEP:
+        if all(p.exists() for p in wanted) and last_step(run_dir) >= after_step:
             landed = True
             break
         if killed.poll() is not None:
             why = (
-                f"the run exited (status {killed.returncode}) before its step-{KILL_STEP} save hung"
+                f"the run exited (status {killed.returncode}) before its step-{kill_step} save hung"
             )
             break
         if time.time() - t0 > a.timeout:
-            why = f"the step-{KILL_STEP} save did not hang with step {AFTER_STEP} reached in {a.timeout:g} s"
+            why = f"the step-{kill_step} save did not hang with step {after_step} reached in {a.timeout:g} s"
             break
         time.sleep(0.2)
     if landed:
@@ -174,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         rc = wait_or_kill(killed, 90)
         torn = time.time() - t_kill
         complete = [c.step for c in store.list_complete(run_dir / "checkpoints")]
-        partial = run_dir / "checkpoints" / f"step_{KILL_STEP:07d}.tmp"
-        ok = complete == [INTERVAL] and partial.is_dir()
+        partial = run_dir / "checkpoints" / f"step_{kill_step:07d}.tmp"
+        ok = complete == [interval] and partial.is_dir()
         emit(
-            f"kill -9 rank 0 during the async save of step {KILL_STEP} ({a.nproc} procs)",
+            f"kill -9 rank 0 during the async save of step {kill_step} ({a.nproc} procs)",
             ok,
             f"killed at step {last_step(run_dir)}; torchrun exit {rc} after {torn:.0f} s; "
             f"committed {complete}, {partial.name} {'left' if partial.is_dir() else 'missing'}",
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if killed.poll() is None:
             wait_or_kill(killed, 0.1)
         emit(
-            f"kill -9 rank 0 during the async save of step {KILL_STEP} ({a.nproc} procs)",
+            f"kill -9 rank 0 during the async save of step {kill_step} ({a.nproc} procs)",
             False,
             why,
         )
@@ -198,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     again = torchrun(a.nproc, "train.py", [*base, "run.name=killed"], logs / "kill9_resumed.log")
     rc = wait_or_kill(again, a.timeout)
     complete = [c.step for c in store.list_complete(run_dir / "checkpoints")]
-    partial = run_dir / "checkpoints" / f"step_{KILL_STEP:07d}.tmp"
+    partial = run_dir / "checkpoints" / f"step_{kill_step:07d}.tmp"
     start = _resumed_from(logs / "kill9_resumed.log")
-    ok = rc == 0 and resumed(run_dir) and not partial.exists() and start == INTERVAL
+    ok = rc == 0 and resumed(run_dir) and not partial.exists() and start == interval
     emit(
         "same command resumes",
         ok,
@@ -209,16 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     if rc_ref == 0 and rc == 0:
         d = loss_parity(load_run(ref_dir), load_run(run_dir))
-        ok = d["bitwise"] and d["steps"] == STEPS
+        ok = d["bitwise"] and d["steps"] == steps
         emit(
-            f"losses of steps 1-{STEPS} equal the uninterrupted run's, bitwise",
+            f"losses of steps 1-{steps} equal the uninterrupted run's, bitwise",
             ok,
             f"{d['steps']} steps compared, max abs diff {d['max_abs']:.3g}, first diff "
             f"{d['first_diff']}",
         )
     else:
         emit(
-            f"losses of steps 1-{STEPS} equal the uninterrupted run's, bitwise",
+            f"losses of steps 1-{steps} equal the uninterrupted run's, bitwise",
             False,
             "a run failed",
         )

@@ -117,7 +117,7 @@ def format_rows(rows: list[dict]) -> str:
     return format_table(rows, keys=("layout", "recipe", "quantized_init", "mode"), timing=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", help="conf/parallel option for this job")
     ap.add_argument(
@@ -131,7 +131,7 @@ def main() -> int:
     ap.add_argument("--jsonl", default=None)
     ap.add_argument("--table", nargs="+", metavar="JSONL", help="only print the table of these")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.table:
         rows = [
             json.loads(line)

@@ -281,7 +281,7 @@ def fp8_allgather_check(cfg, dims, device, recipe_name) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--layouts",
@@ -314,18 +314,23 @@ def main() -> int:
         action="store_true",
         help="reference model over gloo on the CPU, bf16 only (a check of the harness)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     specs = [(s, *parse_layout(s)) for s in args.layouts.split(",")]
 
+    # A process group that is already there is used and kept (tests/test_harness_smoke.py runs
+    # main() in its gloo ranks).
+    joined = dist.is_initialized()
     if args.cpu:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        if not joined:
+            dist.init_process_group("gloo")
         args.recipes, args.gather_recipes = "bf16", ""
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
+        if not joined:
+            dist.init_process_group("nccl", device_id=device)
     compat.apply_all()  # what train.py does before building a model
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_cfg()
@@ -454,7 +459,8 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         print("\nALL OK" if ok else "\nSOME CHECKS FAILED")
-    dist.destroy_process_group()
+    if not joined:
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 

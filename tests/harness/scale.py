@@ -10,7 +10,8 @@ with fsdp_tp) and R-hsdp-to-fsdp2 (resumed on 2 GPUs with fsdp). Rows:
     resume   R-hsdp-to-* against R-hsdp (the uninterrupted run), the steps after the resume
 
 Prints the loss at the first, resume and last step, and max absolute / relative loss
-difference (tests/harness/resume.py's `loss_parity`). Exit status 1 when a run is missing.
+difference (tests/harness/resume.py's `loss_parity`). Exit status 1 when a run is missing or
+has no steps to compare.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def losses(run: dict, kind: str, resume_step: int) -> str:
     return "/".join(f"{run[i]['loss']:.4f}" for i in picked if i in run)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("root")
     ap.add_argument("--resume-step", type=int, default=20)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     root = Path(a.root)
     recipes = sorted({p.name.rsplit("-1gpu", 1)[0] for p in root.glob("*-1gpu")})
     print(
@@ -59,6 +60,13 @@ def main() -> int:
                 runs = {k: after(load_run(root / f"{r}-{k}"), start) for k in (ref, run)}
             except Exception as e:  # a run that failed leaves no metrics
                 print(f"| {r} | {kind} | {ref} | {run} | missing: {e} | | | | |")
+                ok = False
+                continue
+            if not runs[ref] or not runs[run]:  # e.g. a resumed run that failed at once
+                empty = run if runs[ref] else ref
+                print(
+                    f"| {r} | {kind} | {ref} | {run} | {empty}: no steps after step {start} | | | | |"
+                )
                 ok = False
                 continue
             d = loss_parity(runs[ref], runs[run])
