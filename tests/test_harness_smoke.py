@@ -80,7 +80,7 @@ def test_kill_save_kill9_mid_async_save_then_exact_resume(tmp_path, cpu_env, cap
     from tests.harness import kill_save
 
     out = tmp_path / "kill9.jsonl"
-    args = ["--root", str(tmp_path / "k"), "--interval", "2", "--timeout", "120"]
+    args = ["--root", str(tmp_path / "k"), "--interval", "2"]
     run = [*TINY, f"data.seq_len={SEQ}", f"train.global_batch_size={BATCH}"]
     status = kill_save.main([*args, "--jsonl", str(out), "--", *run])
     rows = read_jsonl(out)
@@ -242,12 +242,26 @@ def test_scale_table(tmp_path, capsys):
 # -- tools that run train.py --------------------------------------------------------------------
 
 
-def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys):
+def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys, request):
     """bench_step, bench_recipes, bench_determinism and recipe_switch_demo, each in its smallest
     form (1-2 train.py runs of 2 steps), all on the same tiny model and data: their step-1
     losses agree (one forward of the same weights on the same batch)."""
-    from tools import bench_determinism, bench_recipes, bench_step, recipe_switch_demo
+    from tools import bench_determinism, bench_recipes, bench_step
 
+    # recipe_switch_demo, as a command beside the others (two runs): a bf16 -> bf16 switch after
+    # step 1 (the same math: the losses up to the switch equal the reference's).
+    argv = ["--model", "tiny", "--seq-len", str(SEQ), "--batch", str(BATCH), "--micro-batch"]
+    argv += [str(BATCH), "--recipe", "bf16", "--quantized-init", "false", "--steps", "2"]
+    demo = tmp_path / "switch"
+    demo_proc = subprocess.Popen(
+        [sys.executable, "tools/recipe_switch_demo.py", *argv, "--at", "1", "--out", str(demo)]
+        + ["--", *TINY],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    request.addfinalizer(lambda: (demo_proc.kill(), demo_proc.wait()))  # once it failed here
     step1 = {}
     # bench_step: one case, with full recomputation (its override path), a JSON record.
     out = tmp_path / "step.json"
@@ -257,7 +271,7 @@ def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys):
     assert rec["ac"] == "full" and rec["steps_measured"] == 1 and rec["tokens_per_s_per_gpu"] > 0
     text = capsys.readouterr().out
     assert f"| tiny | fsdp | 1 | bf16 | full | {BATCH} |" in text
-    step1["bench_step (loss at step 2)"] = rec["loss_last"]
+    bench_step_loss2 = rec["loss_last"]
 
     # bench_recipes: bf16 only, the rows as JSON.
     out = tmp_path / "recipes.json"
@@ -268,7 +282,7 @@ def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys):
     assert row["recipe"] == "bf16" and not row["error"] and set(row["loss"]) == {"1", "2"}
     assert "| bf16 | False | " in capsys.readouterr().out
     step1["bench_recipes"] = row["loss"]["1"]
-    assert row["loss"]["2"] == pytest.approx(step1["bench_step (loss at step 2)"], rel=1e-6)
+    assert row["loss"]["2"] == pytest.approx(bench_step_loss2, rel=1e-6)
 
     # bench_determinism: --budget 1 (s) runs the first planned run (det-a, saving step 1) only.
     out = tmp_path / "det.jsonl"
@@ -286,19 +300,15 @@ def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys):
     assert "dropped (time budget of 1s, or no checkpoint to resume): bf16 det-b, " in text
     step1["bench_determinism"] = det["loss_a"]["1"]
 
-    # recipe_switch_demo: a bf16 -> bf16 switch after step 1 (the same math: equal losses).
-    argv = ["--model", "tiny", "--seq-len", str(SEQ), "--batch", str(BATCH), "--micro-batch"]
-    argv += [str(BATCH), "--recipe", "bf16", "--quantized-init", "false", "--steps", "2"]
-    demo = tmp_path / "switch"
-    assert recipe_switch_demo.main([*argv, "--at", "1", "--out", str(demo), "--", *TINY]) == 0
-    text = capsys.readouterr().out
+    # recipe_switch_demo (started above) after its two runs.
+    text, _ = demo_proc.communicate(timeout=600)
+    assert demo_proc.returncode == 0, text[-3000:]
     assert "| 1 (switch after this step) | bf16 |" in text
     assert "losses up to the switch step equal the reference bitwise: True" in text
     assert f"plot: {demo / 'compare.png'}" in text
     for name in ("switch", "fp8"):
         step1[f"recipe_switch_demo {name}"] = read_metrics(demo / name / "metrics.jsonl")[0]["loss"]
 
-    del step1["bench_step (loss at step 2)"]
     first = next(iter(step1.values()))
     assert 5.0 < first < 6.0  # ln(258) = 5.55: a fresh model on bytes
     assert all(v == pytest.approx(first, rel=1e-6) for v in step1.values()), step1
@@ -367,20 +377,21 @@ def suite_invocations() -> list[tuple[str, list[str]]]:
 
 
 def help_text(module: str, capsys) -> str:
-    """The module's --help (each subcommand's, for one with subcommands)."""
+    """The module's --help, and each of its subcommands' (`{rows,notrun,table}`)."""
     main = importlib.import_module(module).main
-    out = ""
-    for argv in (["--help"], *[[sub, "--help"] for sub in ("rows", "notrun", "table", "export")]):
+
+    def help_of(argv: list[str]) -> str:
         capsys.readouterr()
-        try:
-            main(argv)
-        except SystemExit as e:
-            if e.code != 0:
-                continue  # not a subcommand of this one
-        out += capsys.readouterr().out
-        if "{" not in out.splitlines()[0]:  # no subcommands
-            break
-    return out
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        assert e.value.code == 0, (module, argv)
+        return capsys.readouterr().out
+
+    text = help_of([])
+    subcommands = re.search(r"\{([\w,-]+)\}", text.split("\n\n")[0])
+    for sub in subcommands.group(1).split(",") if subcommands else ():
+        text += help_of([sub])
+    return text
 
 
 def test_suite_sh_runs_modules_that_take_its_flags(capsys):
@@ -397,5 +408,5 @@ def test_suite_sh_runs_modules_that_take_its_flags(capsys):
     for module in modules:
         text = help_text(module, capsys)
         used = sorted({f for m, flags in calls if m == module for f in flags})
-        missing += [f"{module} {f}" for f in used if not re.search(rf"{f}\b", text)]
+        missing += [f"{module} {f}" for f in used if not re.search(rf"{f}(?![\w-])", text)]
     assert not missing, missing
