@@ -83,6 +83,29 @@ def cpu_threads(
     return threads, f"{cores} cores, load {load:.1f}: {int(idle + 0.5)} idle{per}"
 
 
+#: The vector width a CPU run's arithmetic is pinned to (docs/RUNS.md, CPU arithmetic). Of the
+#: operations of a training step, measured op by op with identical inputs (tiny model, forward,
+#: backward, AdamW): between AVX2 and AVX-512 only the CPU flash-attention kernels (forward and
+#: backward) differ, in the last bit; without AVX2 (the scalar kernels) silu and its gradient
+#: differ too. MKL's own matrix products follow its branch for the CPU (MKL_CBWR). AVX-512 costs
+#: nothing here: the default run's step takes the same CPU time under either.
+CPU_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+
+
+def pin_cpu_arithmetic(device: torch.device, environ=None) -> str | None:
+    """On a CPU run of an x86-64 CPU with AVX-512, ATen's kernels and MKL compute as on AVX2,
+    so every AVX2 or AVX-512 machine prints the same losses (the README's figures). Effective
+    only before this process's first CPU kernel (both read their variable once); a variable
+    the user set is kept. Returns the capability for the start-up line (None on GPU)."""
+    if device.type != "cpu":
+        return None
+    env = os.environ if environ is None else environ
+    if torch.cpu._is_avx2_supported():
+        for name, value in CPU_ARITHMETIC.items():
+            env.setdefault(name, value)
+    return f"cpu={torch.backends.cpu.get_cpu_capability().lower()}"
+
+
 def apply_cpu_threads(device: torch.device) -> str | None:
     """Sets torch's intra-op threads for a CPU run (`cpu_threads`); returns how many and why,
     for the start-up line (None on GPU, where the CPU only feeds the GPU and torch's defaults

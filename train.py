@@ -87,6 +87,7 @@ from runtime import (
     exit_status,
     peak_memory_gb,
     pick_device,
+    pin_cpu_arithmetic,
     report_error,
     to_device,
 )
@@ -530,7 +531,12 @@ def _prepare_process(cfg: Config, world_size: int, device, say) -> str | None:
             "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true",
             flush=True,
         )
-    threads_line = apply_cpu_threads(device)  # CPU: said in the model line
+    # CPU: the vector width first (before any kernel runs), then the threads; both go in the
+    # model line
+    arithmetic = pin_cpu_arithmetic(device)
+    threads_line = apply_cpu_threads(device)
+    if arithmetic:
+        threads_line = f"{arithmetic} {threads_line}"
     for line in (
         apply_determinism(cfg.train.deterministic),
         apply_nccl_priority(cfg.parallel.nccl_high_priority, device),

@@ -35,6 +35,7 @@ from data.documents import DocumentBoundaries
 from data.packing import join_documents, pack_dataset, split_documents, stream_samples
 from data.sources import (
     check_text_field,
+    corpus_fingerprint,
     embedded_dataset,
     eval_documents,
     hf_dataset,
@@ -421,7 +422,10 @@ def build_data(
     evaluation on, the held-out documents (data.eval_fraction) leave the training data unless
     data.eval_split names a split of their own."""
     t0 = time.perf_counter()
-    log(f"data: preparing data={cfg.name} (seq_len {cfg.seq_len}{source_note(cfg, tok)})")
+    # data=embedded names its exact corpus (the Python release and a hash of its files), so a
+    # run's output tells another corpus from other arithmetic.
+    what = corpus_fingerprint(cfg) or f"data={cfg.name}"
+    log(f"data: preparing {what} (seq_len {cfg.seq_len}{source_note(cfg, tok)})")
     layout = dict(global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     loader = build_loader(cfg, tok, **layout, hold_out=eval_batches > 0 and cfg.eval_split is None)
     held_out = None

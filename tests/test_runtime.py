@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,3 +273,35 @@ def test_a_stop_signal_is_said_as_it_arrives(tmp_path, capfd):
     ), early[0]
     assert "stopping:" not in capfd.readouterr().err  # said once
     assert committed(tmp_path / "s" / "checkpoints") == [5]
+
+
+def test_cpu_arithmetic_is_pinned_to_avx2_unless_set():
+    """runtime.pin_cpu_arithmetic in a fresh process (its variables are read once, at the first
+    CPU kernel): AVX2 arithmetic on an AVX2 or AVX-512 CPU, a value the user set is kept, GPU
+    runs are left alone. Without AVX2 the CPU keeps its own kernels."""
+    code = (
+        "import os, sys, torch, runtime\n"
+        "dev = torch.device(sys.argv[1])\n"
+        "print(runtime.pin_cpu_arithmetic(dev), os.environ.get('ATEN_CPU_CAPABILITY'),"
+        " os.environ.get('MKL_CBWR'), torch.backends.cpu.get_cpu_capability())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+
+    def pinned(device: str, **extra) -> str:
+        r = subprocess.run(
+            [sys.executable, "-c", code, device],
+            cwd=Path(__file__).resolve().parents[1],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    if torch.cpu._is_avx2_supported():
+        assert pinned("cpu") == "cpu=avx2 avx2 AVX2 AVX2"
+    else:
+        assert pinned("cpu") == "cpu=default None None DEFAULT"
+    assert pinned("cpu", ATEN_CPU_CAPABILITY="default").startswith("cpu=default default ")
+    assert pinned("meta").startswith("None None None ")

@@ -690,7 +690,7 @@ mt_twonode() {  # two nodes on one host: two torchrun agents of 2 GPUs (slurm/la
         rc=$(mt_job twonode "$layout" "$MT/twonode_$layout.log" "$PY" -m tests.harness.two_node \
             --nproc-per-node 2 --root "$MT_ROOT/twonode_$layout" --timeout $((MT_T / 2)) \
             --case "$layout: 2 nodes x 2 GPUs vs 1 node x 4" --jsonl "$MT/twonode.jsonl" -- \
-            "${MATRIX_MODEL[@]}" "parallel=$layout" parallel.tp=2 recipe=bf16 train.steps=10 \
+            "${MATRIX_MODEL[@]}" "parallel=$layout" parallel.tp=2 recipe=bf16 train.steps=10 train.log_every=1 \
             train.deterministic=true data.document_mask=false)
         ((rc > worst)) && worst=$rc
     done
