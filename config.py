@@ -465,6 +465,7 @@ RESUME_FREE = (
     "parallel.activation_checkpointing",
     "parallel.activation_checkpointing_every",
     "parallel.nccl_high_priority",
+    "parallel.collective_timeout_s",
     "parallel.grad_reduce",
     "checkpoint.",
     "logger.",

@@ -61,6 +61,13 @@ class ParallelConfig:
     #: before it creates its process groups), so communication kernels are scheduled ahead
     #: of the compute kernels they overlap with. No effect on gloo (CPU).
     nccl_high_priority: bool = False
+    #: Seconds a collective waits for the other ranks before it fails (every process group,
+    #: the checkpoint's gloo groups too; torch's defaults: 600 for NCCL, 1800 for gloo). A
+    #: node or rank that died leaves the others waiting this long at most; then each node
+    #: says so in one line and its trainers exit (docs/SLURM.md, A node dies). Longer than
+    #: any step, save or evaluation: a rank waits in a collective while the others finish
+    #: theirs.
+    collective_timeout_s: int = 600
 
     def blocks_kept_gathered(self, n_layers: int) -> int:
         """How many of the last blocks keep their gathered weights from forward to backward:

@@ -10,6 +10,11 @@ process), with two differences for a scheduler's signals.
   traceback. torchrun forwards the signal to its trainers and waits for them
   (`--shutdown-timeout`) before it raises; the trainers' own lines say what they saved.
   The exit status is 128 + the signal's number, as for a process the signal ended.
+- A trainer that failed (or stopped with status 3), and a rendezvous lost because the
+  launcher hosting it (the first node's) died, end it in one line too (status 1, as
+  torchrun's), instead of torchrun's traceback and failure summary: the trainers' own lines
+  above say why (train.py: one `error:` line, e.g. a collective whose peer node died,
+  docs/SLURM.md).
 """
 
 from __future__ import annotations
@@ -30,10 +35,31 @@ def launcher_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(launcher_args(argv))
+    except ChildFailedError as e:
+        statuses = ", ".join(
+            f"rank {rank}: {f.signal_name() if f.exitcode < 0 else f.exitcode}"
+            for rank, f in sorted(e.failures.items())
+        )
+        print(
+            f"launcher: trainer exit statuses {statuses} (their lines above say why)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except RendezvousError as e:
+        print(
+            f"launcher: lost the rendezvous ({type(e).__name__}): the launcher hosting it (the "
+            "first node's) died? this node's trainers were stopped (their lines above)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except SignalException as e:
         name = signal.Signals(e.sigval).name
         print(

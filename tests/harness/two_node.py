@@ -32,7 +32,11 @@ from tests.distributed import free_port  # noqa: E402
 METRICS = ("loss", "grad_norm", "lr")
 
 
-def launch(nnodes: int, nproc: int, endpoint: str, args: list[str], env: dict) -> list:
+def launch(
+    nnodes: int, nproc: int, endpoint: str, args: list[str], env: dict, script: str = "train.py"
+) -> list:
+    """One node's torchrun agent (slurm/launch.py) running `script` (train.py, or a script
+    that runs it: tests/harness/paced.py)."""
     return [
         sys.executable,
         "slurm/launch.py",
@@ -42,7 +46,7 @@ def launch(nnodes: int, nproc: int, endpoint: str, args: list[str], env: dict) -
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id=two-node-{nnodes}",
         "--max-restarts=0",
-        "train.py",
+        script,
         *args,
     ]
 
