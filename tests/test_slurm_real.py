@@ -113,8 +113,9 @@ class Jobs:
         self.ids: dict[str, str] = {}
         self.out: dict[str, str] = {}
 
-    def sbatch(self, name, *options, env=None, overrides=(), pace=True) -> str:
-        """Submit train.sbatch as run `name`; Slurm's own output goes to tmp/slurm-<id>.out."""
+    def sbatch(self, name, *options, env=None, overrides=(), pace=True, named=True) -> str:
+        """Submit train.sbatch as run `name` (named=False: no run.name override, the name comes
+        from RUN_NAME in `env`); Slurm's own output goes to tmp/slurm-<id>.out."""
         extra = {} if pace else {"PACE_S": "0"}
         r = subprocess.run(
             [
@@ -128,7 +129,7 @@ class Jobs:
                 "slurm/train.sbatch",
                 *TRAIN,
                 f"run.root={self.runs}",
-                f"run.name={name}",
+                *([f"run.name={name}"] if named else []),
                 *overrides,
             ],
             cwd=ROOT,
@@ -230,6 +231,16 @@ def jobs(cluster):
     # Two nodes, one trainer each: dp_replicate across the nodes. Stopped mid-run by the
     # signal Slurm's warning sends (not requeued: the test resumes it on one node).
     j.sbatch("two", "--nodes=2", "--time=10", env={"REQUEUE": "0"}, overrides=hsdp)
+    # The run's name from RUN_NAME; a run that fails (a config error, found by every
+    # trainer) is not requeued. A wrong override: refused before anything is launched.
+    j.sbatch(
+        "failing",
+        "--time=10",
+        env={"RUN_NAME": "failing"},
+        overrides=["train.log_every=0"],
+        named=False,
+    )
+    j.sbatch("bad", "--time=10", overrides=["train.stepz=3"])
     # A chain of two jobs whose first reaches its time limit without a warning signal.
     chain = subprocess.run(
         ["bash", "slurm/chain.sh", "2", *TRAIN, f"run.root={j.runs}", "run.name=chain"],
@@ -245,6 +256,11 @@ def jobs(cluster):
     )
     assert chain.returncode == 0, chain.stdout + chain.stderr
     j.out["chain"] = chain.stdout
+    # Only the first job must reach its limit: the second (pending on it) gets time to finish
+    # however loaded the machine is.
+    second = re.findall(r"^job 2/2: (\d+)", chain.stdout, re.M)
+    assert second, chain.stdout
+    j.scontrol("update", f"JobId={second[0]}", "TimeLimit=10")
     # A sweep of two learning rates: one array job, each task its own run directory.
     sweep = subprocess.run(
         [
@@ -417,3 +433,19 @@ def test_two_nodes_hsdp_equals_one_node_and_resumes_on_one(jobs):
     assert jobs.wait(job_id)["JobState"] == "COMPLETED", jobs.log("two", job_id)
     assert f"resumed_from_step={stopped}" in jobs.log("two", job_id)
     assert_same_curve(jobs.runs / "ref2", jobs.runs / "two")
+
+
+def test_run_name_from_the_environment_a_failed_run_and_a_wrong_override(jobs):
+    """RUN_NAME names the run directory; a run that fails is not requeued and the job fails
+    with srun's status; a wrong override fails the job in one line, nothing launched."""
+    info = jobs.wait(jobs.ids["failing"])
+    log = jobs.log("failing")  # runs/failing/: the name came from RUN_NAME
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", log
+    assert int(info["Restarts"]) == 0 and "requeue" not in log, log
+    assert "train.log_every=0 must be > 0" in log and "trainer exit statuses: 2" in log, log
+    info = jobs.wait(jobs.ids["bad"])
+    out = jobs.slurm_out(jobs.ids["bad"])
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", out
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: train.stepz"), out
+    assert not (jobs.runs / "bad").exists()
