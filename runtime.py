@@ -13,10 +13,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from errors import ConfigError
 
@@ -303,6 +305,49 @@ def apply_nccl_priority(on: bool, device: torch.device) -> str | None:
     return line
 
 
+def collective_timeout(seconds: int) -> timedelta:
+    """`parallel.collective_timeout_s` as the timeout of every process group made from now on:
+    train.py passes it to init_process_group, and it becomes torch's default for groups made
+    later (the device mesh's, the checkpoint's gloo groups, context parallelism's), which
+    `new_group` would otherwise give torch's own default (gloo 30 min, NCCL 10 min)."""
+    if seconds <= 0:
+        raise ConfigError(f"parallel.collective_timeout_s={seconds} must be > 0 (seconds)")
+    timeout = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
+#: What gloo raises in a collective whose peer is gone: the timeout (a rank that hangs, or a
+#: node that vanished), or the peer's socket closed (its process died on a host still up).
+_GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for \w+ operation")
+_PEER_CLOSED = re.compile(r"(Connection closed by peer|Connection reset by peer)( \[[^\]]*\]:\d+)?")
+
+
+def lost_peer_line(error: BaseException, timeout_s: int) -> str | None:
+    """The one line for a collective that failed because another rank is gone (None for any
+    other error): how long it waited, or whose connection closed, and what to do."""
+    text = str(error)
+    rank = f"rank {os.environ.get('RANK', 0)} of {os.environ.get('WORLD_SIZE', 1)}"
+    after = (
+        "the run stopped; committed checkpoints are intact and the same command (a requeued "
+        "job) resumes from the last one"
+    )
+    if m := _GLOO_TIMEOUT.search(text):
+        waited = int(m[1]) / 1000
+        return (
+            f"a collective waited {waited:g} s for the other ranks "
+            f"(parallel.collective_timeout_s={timeout_s}) on {rank}: a node or rank died or "
+            f"hangs? {after}"
+        )
+    if m := _PEER_CLOSED.search(text):
+        return (
+            f"a collective lost its connection to another rank ({m[0]}) on {rank}: a node "
+            f"or rank died? {after}"
+        )
+    return None
+
+
 def check_determinism(on: bool, impl: str, document_mask: bool, device: torch.device) -> None:
     """What train.deterministic cannot keep fast, refused in one line before any work. On
     sm_90, TE 2.20 has no deterministic fused backward for document-masked (THD) attention
@@ -501,12 +546,14 @@ def receivers(ranks: list[int], world_size: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world_size}"
 
 
-def report_error(line: str) -> None:
+def report_error(line: str, every_node: bool = False) -> None:
     """A run that cannot go on, in one line: printed by rank 0 (every rank usually finds the
     same error) as `error: <line>`, and, under torchrun, written to this worker's error file,
     so the launcher's failure summary (which follows the worker's output) names this line as
-    the failure's cause instead of pointing at how to get a traceback."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    the failure's cause instead of pointing at how to get a traceback. `every_node`: by the
+    first rank of each node instead (rank 0 may be on a node that died)."""
+    who = "LOCAL_RANK" if every_node else "RANK"
+    if int(os.environ.get(who, 0)) == 0:
         print(f"error: {line}", file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):
@@ -559,6 +606,18 @@ def exit_status(statuses: list[int]) -> int:
     return 0 if not failed else failed[0] if len(failed) == 1 else 1
 
 
+#: What runs `launch`'s one-process train.py instead of a new interpreter (None: a new one).
+#: The test suite sets it (tests/conftest.py) to start train.py forked from a process that has
+#: imported it already (tests/distributed.py, launch_forked): the same program, as __main__,
+#: without the ~4 s of imports a new interpreter spends.
+_train_launcher: Callable[..., subprocess.CompletedProcess] | None = None
+
+
+def set_train_launcher(launcher: Callable[..., subprocess.CompletedProcess] | None) -> None:
+    global _train_launcher
+    _train_launcher = launcher
+
+
 def launch(
     args: list[str],
     *,
@@ -571,6 +630,8 @@ def launch(
     train.py: Hydra overrides) in a new process from the repository root, under `torchrun
     --standalone --nproc_per_node=<nproc>` when nproc > 1; stdout and stderr are captured as
     text. `env` adds to (or replaces in) this process's environment."""
+    if _train_launcher is not None and nproc == 1 and program == ("train.py",):
+        return _train_launcher(args, env=env, timeout=timeout)
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

@@ -82,9 +82,11 @@ from runtime import (
     apply_determinism,
     apply_nccl_priority,
     check_determinism,
+    collective_timeout,
     cpu_note,
     deterministic_env,
     exit_status,
+    lost_peer_line,
     peak_memory_gb,
     pick_device,
     pin_cpu_arithmetic,
@@ -549,7 +551,10 @@ def _prepare_process(cfg: Config, world_size: int, device, say) -> str | None:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # A collective fails after this long (every group made later too) when a rank or node
+        # died: the survivors end in one line instead of waiting torch's 10-30 min.
+        timeout = collective_timeout(cfg.parallel.collective_timeout_s)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     return threads_line
 
 
@@ -1002,6 +1007,14 @@ def main(dcfg: DictConfig) -> int:
             file=sys.stderr,
             flush=True,
         )
+        status = 1
+    except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
+        # A collective whose peer died (or hangs past parallel.collective_timeout_s): one line
+        # from each surviving node, not a traceback of the step it failed in.
+        line = lost_peer_line(e, dcfg.parallel.collective_timeout_s)
+        if line is None:
+            raise
+        report_error(line, every_node=True)
         status = 1
     finally:
         close_open()  # a run ended by an exception (Ctrl-C too): writers stopped, lock released

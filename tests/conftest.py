@@ -5,3 +5,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+import runtime  # noqa: E402
+from tests.distributed import launch_forked  # noqa: E402
+
+# The test process, its gloo ranks and the train.py it starts compute as a CPU run does
+# (runtime.pin_cpu_arithmetic, before any kernel), so a loss computed here compares bit for
+# bit with a run's.
+runtime.pin_cpu_arithmetic(torch.device("cpu"))
+# A one-process train.py started by runtime.launch is forked from the preloaded server
+# (TEST_LAUNCH=subprocess: a new interpreter each time, as a user starts it).
+if os.environ.get("TEST_LAUNCH") != "subprocess":
+    runtime.set_train_launcher(launch_forked)

@@ -18,9 +18,16 @@ test process's environment of the moment (not the server's).
 
 from __future__ import annotations
 
+import atexit
 import os
+import runpy
 import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -64,8 +71,7 @@ def _worker(rank, world_size, port, fn, args, errors, env):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # used when the server starts: the session's first call
+    ctx = _context()
     errors = ctx.SimpleQueue()
     port = free_port()
     env = dict(os.environ)
@@ -86,3 +92,97 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"processes exited abnormally (rank, exitcode): {bad}")
+
+
+def _train_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In a forked process: `python train.py ARGS` from `cwd` with `env`, its output in the
+    files `out` and `err`; leaves with train.py's exit status, after what an interpreter does
+    at exit (joining threads, atexit handlers, flushing)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - line by line, as
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - PYTHONUNBUFFERED
+    sys.argv = ["train.py", *args]
+    sys.path[0] = cwd
+    code = 0
+    try:
+        runpy.run_path("train.py", run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # noqa: SLF001 - the interpreter's own exit step: non-daemon threads
+    atexit._run_exitfuncs()  # noqa: SLF001 - and the atexit handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+#: Variables read when a module is imported or the interpreter starts (the import path, the
+#: Hugging Face libraries' endpoints and caches, torch's and MKL's settings): a run whose
+#: environment differs from the server's in one of these starts a new interpreter instead.
+READ_AT_IMPORT = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "ATEN_")
+READ_AT_IMPORT += ("MKL_", "LD_", "WANDB_")
+_server_env: dict[str, str] = {}
+
+
+def _context():
+    """The forkserver context, its server started on first use with PRELOAD and this process's
+    environment of that moment, which `launch_forked` compares each run's with."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    if not _server_env:
+        ctx.set_forkserver_preload(PRELOAD)
+        _server_env.update(os.environ)
+        forkserver.ensure_running()
+    return ctx
+
+
+def _imported_env_differs(env: dict[str, str]) -> bool:
+    keys = {k for k in (*env, *_server_env) if k.startswith(READ_AT_IMPORT)}
+    return any(env.get(k) != _server_env.get(k) for k in keys)
+
+
+def launch_forked(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    """runtime.launch for a one-process train.py, forked from the PRELOAD server instead of a
+    new interpreter (tests/conftest.py installs it): the same CompletedProcess (return code,
+    stdout, stderr as text); killed after `timeout` as subprocess.run would be. A run whose
+    environment changes what is read at import (READ_AT_IMPORT) gets a new interpreter."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    ctx = _context()
+    if _imported_env_differs({k: v for k, v in full_env.items() if k != "PYTHONUNBUFFERED"}):
+        return subprocess.run(
+            [sys.executable, "train.py", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    root = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = ctx.Process(target=_train_main, args=(args, full_env, root, str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["train.py", *args], timeout, out.read_text())
+        code = proc.exitcode if proc.exitcode is not None else -9
+        return subprocess.CompletedProcess(
+            ["train.py", *args], code, out.read_text(), err.read_text()
+        )
