@@ -84,7 +84,7 @@ test: setup-dev
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-fast: setup-dev
-	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow and not slurm"
 
 lint: setup-dev
 	ruff check . && ruff format --check .

@@ -19,3 +19,16 @@ runtime.pin_cpu_arithmetic(torch.device("cpu"))
 # (TEST_LAUNCH=subprocess: a new interpreter each time, as a user starts it).
 if os.environ.get("TEST_LAUNCH") != "subprocess":
     runtime.set_train_launcher(launch_forked)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests listed in tests/slow_tests.txt (measured slow) are marked `slow` too, so
+    `make test-fast` (-m "not slow") leaves them out."""
+    import pytest
+
+    from tests.slow_list import listed
+
+    slow = listed()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)

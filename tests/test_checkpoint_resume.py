@@ -65,7 +65,7 @@ CASES = [
     ("empty", {}, None, None, 0, None),
     ("renamed", {}, None, None, 2, "is not resumed from: its name is not a step directory's"),
     ("damaged", {}, None, None, "step_0000004 is damaged (", None),
-    ("name_mismatch", {}, None, None, "but the directory is step_0000008: the manifest was edited, or", None),
+    ("name_mismatch", {}, None, None, "but the directory is step_0000008: the manifest", None),
     ("shape", {}, None, "dim: 256", "model.dim: checkpoint has 128, config has 256", None),
     ("corpus", {}, "corpus-b", None, "was trained on another corpus (corpus-a", None),
     ("none", {"resume": "none"}, None, None, 0, "existing checkpoint moved aside"),
@@ -159,5 +159,5 @@ def test_resumer_plans_as_decided_and_loads_into_a_fresh_state(source, tmp_path)
     assert resumer.loaded == 4 and resumer.resumed[1] == 4  # in its own directory
 
     _tamper(run_dir / "checkpoints", "name_mismatch")
-    with pytest.raises(ConfigError, match="but the directory is step_0000008: the manifest was edited"):
+    with pytest.raises(ConfigError, match="but the directory is step_0000008: the manifest"):
         Resumer(_context(run_dir, [])).plan_resume(NAMED)

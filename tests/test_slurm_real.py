@@ -9,8 +9,9 @@ tests/harness/paced.py (TRAIN_SCRIPT): a fresh run sleeps PACE_S before each ste
 resumed one runs at full speed. Every resumed run is compared with an uninterrupted one,
 bit for bit (loss, grad_norm, lr at every step).
 
-Without root and apt-get (to install Slurm) the module skips with one line; in CI
-(CI=true or SLURM_TESTS_REQUIRED=1) it fails instead. What these tests cannot show on one
+Without root, or without Slurm installed (`bash tests/slurm/cluster.sh install` installs it
+with apt), the module skips with one line; in CI (CI=true or SLURM_TESTS_REQUIRED=1) it
+installs Slurm where missing, and fails instead of skipping. What these tests cannot show on one
 host stays in tests/test_slurm.py (fake sbatch/srun/scontrol): see docs/SLURM.md.
 """
 
@@ -66,6 +67,9 @@ def cluster():
         why = "a Slurm cluster needs root (slurmd runs the jobs)"
     elif not shutil.which("sbatch") and not shutil.which("apt-get"):
         why = "Slurm is not installed and there is no apt-get to install it"
+    elif not shutil.which("sbatch") and not _required():
+        # The suite installs system packages only where asked to (CI, SLURM_TESTS_REQUIRED=1)
+        why = "Slurm is not installed (as root: bash tests/slurm/cluster.sh install)"
     if why:
         if _required():
             pytest.fail(f"Slurm tests required here (CI): {why}")
