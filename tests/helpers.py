@@ -52,6 +52,18 @@ TINY_RUN = [
     "train.global_batch_size=4",
     "train.log_every=1",
 ]
+#: A short CPU run of the tiny model, as the launcher tests (Ctrl-C, Slurm) start it: add
+#: train.steps and the checkpoint fields.
+LAUNCHED_RUN = [
+    "model=tiny",
+    "data.seq_len=64",
+    "data.max_bytes=400000",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.log_every=1",
+    "optim.warmup_steps=2",
+    "train.device=cpu",
+]
 MODEL = ModelConfig(max_seq_len=64, rope_scaling=None)
 #: The checkpoint tests' optimizer and schedule: 5 warmup steps, cosine to 0.1 x lr at step 40.
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=5, min_lr_ratio=0.1)

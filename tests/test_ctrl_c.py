@@ -31,23 +31,16 @@ from runlog import read_metrics
 from runtime import DOUBLE_PRESS_S, EXIT_INTERRUPTED
 from tests.ckpt_harness import committed
 from tests.harness.resume import second_half
-from tests.helpers import CPU_ENV, forwarded_receivers
+from tests.helpers import CPU_ENV, LAUNCHED_RUN, forwarded_receivers
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
 TRAIN = [
-    "model=tiny",
-    "data.seq_len=64",
-    "data.max_bytes=400000",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
+    *LAUNCHED_RUN,
     f"train.steps={STEPS}",
     f"optim.schedule_steps={STEPS}",
-    "train.log_every=1",
-    "optim.warmup_steps=2",
     "checkpoint.interval=4",
     "checkpoint.keep_last=10",
-    "train.device=cpu",
 ]
 #: Output of the project that says a run failed badly, or of Python or torch on a signal.
 NOISE = ("Traceback", "KeyboardInterrupt", "SignalException", "error:")

@@ -30,7 +30,7 @@ import pytest
 
 from runlog import read_metrics
 from tests.distributed import free_port
-from tests.helpers import forwarded_receivers
+from tests.helpers import LAUNCHED_RUN, forwarded_receivers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,19 +56,7 @@ echo "$id" >"$FAKE_SLURM_LOG.count"
 echo "$id;cluster"
 """
 
-TRAIN = [
-    "model=tiny",
-    "data.seq_len=64",
-    "data.max_bytes=400000",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "train.steps=24",
-    "train.log_every=1",
-    "optim.warmup_steps=2",
-    "checkpoint=sync",
-    "checkpoint.interval=10",
-    "train.device=cpu",
-]
+TRAIN = [*LAUNCHED_RUN, "train.steps=24", "checkpoint=sync", "checkpoint.interval=10"]
 
 
 @pytest.fixture

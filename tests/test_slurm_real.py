@@ -30,23 +30,12 @@ from pathlib import Path
 import pytest
 
 from runlog import read_metrics
+from tests.helpers import LAUNCHED_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 STEPS = 40
-TRAIN = [
-    "model=tiny",
-    "data.seq_len=64",
-    "data.max_bytes=400000",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    f"train.steps={STEPS}",
-    "train.log_every=1",
-    "optim.warmup_steps=2",
-    "checkpoint=sync",
-    "checkpoint.interval=10",
-    "train.device=cpu",
-]
+TRAIN = [*LAUNCHED_RUN, f"train.steps={STEPS}", "checkpoint=sync", "checkpoint.interval=10"]
 #: A paced fresh run takes STEPS * PACE_S > 80 s: longer than any wait on Slurm's clock below.
 PACE_S = "2"
 DONE = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
