@@ -6,7 +6,7 @@ train.py runs or gloo processes). Regenerate the list from a full run's JUnit re
     python -m tests.slow_list /tmp/all.xml > tests/slow_tests.txt
 
 A test missing from the list still runs in `make test-fast`, only slower; `make test` runs
-every test either way.
+every test either way, the files holding the most listed seconds first (`file_order`).
 """
 
 from __future__ import annotations
@@ -20,24 +20,40 @@ THRESHOLD = 3.0
 LIST = Path(__file__).with_name("slow_tests.txt")
 
 
-def listed() -> set[str]:
-    """The node ids in tests/slow_tests.txt (comments and blank lines skipped)."""
+def listed() -> dict[str, float]:
+    """The node ids in tests/slow_tests.txt and the seconds each was measured to take."""
     if not LIST.exists():
-        return set()
-    lines = (line.strip() for line in LIST.read_text().splitlines())
-    return {line for line in lines if line and not line.startswith("#")}
+        return {}
+    out = {}
+    for line in LIST.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            node, _, seconds = line.partition("  # ")
+            out[node.strip()] = float(seconds.split()[0]) if seconds else THRESHOLD
+    return out
 
 
-def slow_ids(junit: Path, threshold: float = THRESHOLD) -> list[str]:
-    """Node ids of the report's tests that took longer than `threshold`, passed or failed."""
+def slow_ids(junit: Path, threshold: float = THRESHOLD) -> list[tuple[str, float]]:
+    """(node id, seconds) of the report's tests that took longer than `threshold`."""
     ids = []
     for case in ET.parse(junit).iter("testcase"):
-        if float(case.get("time", 0)) > threshold and case.find("skipped") is None:
+        seconds = float(case.get("time", 0))
+        if seconds > threshold and case.find("skipped") is None:
             path = case.get("classname", "").replace(".", "/") + ".py"
-            ids.append(f"{path}::{case.get('name')}")
+            ids.append((f"{path}::{case.get('name')}", seconds))
     return sorted(ids)
+
+
+def file_order(items: list, slow: dict[str, float]) -> list:
+    """`items` with the files that hold the most measured seconds first (a stable sort: the
+    order within a file is kept). pytest-xdist's --dist loadfile hands out files in this
+    order, so the longest start first instead of running alone at the end."""
+    weight: dict[str, float] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        weight[path] = weight.get(path, 0.0) + slow.get(item.nodeid, 0.0)
+    return sorted(items, key=lambda item: -weight[item.nodeid.split("::")[0]])
 
 
 if __name__ == "__main__":
     print(f"# tests measured over {THRESHOLD:g} s (tests/slow_list.py); make test-fast skips them")
-    print("\n".join(slow_ids(Path(sys.argv[1]))))
+    print("\n".join(f"{node}  # {seconds:.1f} s" for node, seconds in slow_ids(Path(sys.argv[1]))))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from config import ConfigError, compose_config
+from runtime import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,13 +184,9 @@ def test_hydra_rejects_unknown_option_key_and_type(overrides, message):
 
 
 def run_cli(*overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HYDRA_FULL_ERROR="0")
-    return subprocess.run(
-        [sys.executable, "train.py", *overrides, "run.root=/nonexistent-never-created"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    return launch(
+        [*overrides, "run.root=/nonexistent-never-created"],
+        env={"CUDA_VISIBLE_DEVICES": "", "HYDRA_FULL_ERROR": "0"},
         timeout=300,
     )
 

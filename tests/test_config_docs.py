@@ -4,14 +4,13 @@ docs/CONFIGURATION.md current, and `python train.py --help` printing it."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import confhelp
 from config import Config
+from runtime import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,14 +100,8 @@ def test_configuration_md_is_current():
 
 
 def _train_help(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "100"},  # wide enough for a description beside its field
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # wide enough for a description beside its field
+    return launch(list(args), env={"COLUMNS": "100"}, timeout=300)
 
 
 def test_train_help_prints_the_field_reference():
