@@ -78,15 +78,13 @@ train: setup
 # CPU unit tests + multi-process gloo tests; `gpu` tests skip without CUDA + TE. TEST_JOBS
 # test files run at once (pytest-xdist), one per core, at most 4: run one at a time, the tests
 # (most start a train.py run or 2-8 gloo ranks) kept about 1 of 2 cores busy; more jobs than
-# cores gained nothing. TEST_JOBS=1 runs them one after another. --no-loadscope-reorder keeps
-# the order tests/conftest.py gives: the files with the most measured seconds first
-# (tests/slow_tests.txt), so the longest do not start last and run alone.
+# cores gained nothing. TEST_JOBS=1 runs them one after another.
 TEST_JOBS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 test: setup-dev
-	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-fast: setup-dev
-	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow and not slurm"
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow and not slurm"
 
 lint: setup-dev
 	ruff check . && ruff format --check .

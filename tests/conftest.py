@@ -23,14 +23,12 @@ if os.environ.get("TEST_LAUNCH") != "subprocess":
 
 def pytest_collection_modifyitems(config, items):
     """Tests listed in tests/slow_tests.txt (measured slow) are marked `slow` too, so
-    `make test-fast` (-m "not slow") leaves them out; the files that hold the most of them
-    are collected first (tests/slow_list.py, file_order)."""
+    `make test-fast` (-m "not slow") leaves them out."""
     import pytest
 
-    from tests.slow_list import file_order, listed
+    from tests.slow_list import listed
 
     slow = listed()
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
-    items[:] = file_order(items, slow)

@@ -6,7 +6,7 @@ train.py runs or gloo processes). Regenerate the list from a full run's JUnit re
     python -m tests.slow_list /tmp/all.xml > tests/slow_tests.txt
 
 A test missing from the list still runs in `make test-fast`, only slower; `make test` runs
-every test either way, the files holding the most listed seconds first (`file_order`).
+every test either way.
 """
 
 from __future__ import annotations
@@ -41,17 +41,6 @@ def slow_ids(junit: Path, threshold: float = THRESHOLD) -> list[tuple[str, float
             path = case.get("classname", "").replace(".", "/") + ".py"
             ids.append((f"{path}::{case.get('name')}", seconds))
     return sorted(ids)
-
-
-def file_order(items: list, slow: dict[str, float]) -> list:
-    """`items` with the files that hold the most measured seconds first (a stable sort: the
-    order within a file is kept). pytest-xdist's --dist loadfile hands out files in this
-    order, so the longest start first instead of running alone at the end."""
-    weight: dict[str, float] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        weight[path] = weight.get(path, 0.0) + slow.get(item.nodeid, 0.0)
-    return sorted(items, key=lambda item: -weight[item.nodeid.split("::")[0]])
 
 
 if __name__ == "__main__":
