@@ -94,17 +94,16 @@ def cpu_threads(
 CPU_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
 
-def pin_cpu_arithmetic(device: torch.device, environ=None) -> str | None:
+def pin_cpu_arithmetic(device: torch.device) -> str | None:
     """On a CPU run of an x86-64 CPU with AVX-512, ATen's kernels and MKL compute as on AVX2,
     so every AVX2 or AVX-512 machine prints the same losses (the README's figures). Effective
     only before this process's first CPU kernel (both read their variable once); a variable
     the user set is kept. Returns the capability for the start-up line (None on GPU)."""
     if device.type != "cpu":
         return None
-    env = os.environ if environ is None else environ
     if torch.cpu._is_avx2_supported():
         for name, value in CPU_ARITHMETIC.items():
-            env.setdefault(name, value)
+            os.environ.setdefault(name, value)
     return f"cpu={torch.backends.cpu.get_cpu_capability().lower()}"
 
 
