@@ -70,7 +70,16 @@ from parallel.cp import check_cp, token_align
 from parallel.dims import DTYPES
 from parallel.fsdp import gathered_units
 from profiling import StepProfiler
-from recipes import Recipe, build_recipe, check_bf16_layers, check_recipe, check_recipe_layout
+from recipes import (
+    Recipe,
+    apply_attention_environment,
+    attention_environment,
+    build_recipe,
+    check_bf16_layers,
+    check_fp8_attention,
+    check_recipe,
+    check_recipe_layout,
+)
 from recipes.switch import label, recipe_for_step, resolve_switches
 from runlog import read_metrics
 from runtime import (
@@ -101,6 +110,11 @@ register_configs()
 def check_config(cfg: Config, world_size: int, device: torch.device):
     """Everything that can be wrong with the config, checked before any expensive work."""
     validate(cfg)
+    # FP8 attention under fp8_cs / mxfp8 / nvfp4: TE reads its attention recipe from NVTE_DPA_*
+    # variables once, when its attention modules are imported, so they are set here, before
+    # anything imports TE (resolve_impl below is the first); recipes/attention.py.
+    recipes_of_run = run_recipes(cfg)
+    apply_attention_environment(recipes_of_run)
     check_source(cfg.data)  # data=hf: the local path exists (the tokenizer comes next)
     dims = ParallelDims(cfg.parallel, world_size)
     dims.validate_model(cfg.model)
@@ -121,11 +135,10 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
     check_cp(dims.cp, dims.tp, p.cp_comm_type, impl, cfg.model, p.cp_a2a_size)
     check_determinism(cfg.train.deterministic, impl, cfg.data.document_mask, device)
     # Every recipe of the run: the first, and each one `recipe.switch` changes to.
-    for i, rcfg in enumerate(
-        [cfg.recipe, *(s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg)))]
-    ):
+    for i, rcfg in enumerate(recipes_of_run):
         try:
             check_recipe(rcfg, impl, device)
+            check_fp8_attention(rcfg, cfg.model, cfg.data, cfg.train.deterministic, device)
             # FSDP shards each weight over dp_shard x cp.
             check_recipe_layout(rcfg, cfg.model, world_size, dims.dp_shard * dims.cp, dims.tp)
             check_bf16_layers(rcfg, cfg.model.n_layers)
@@ -172,6 +185,11 @@ def memory_estimate_line(cfg: Config, dims: ParallelDims, grad_accum: int, devic
 
 def schedule_steps(cfg: Config) -> int:
     return cfg.optim.schedule_steps or cfg.train.steps
+
+
+def run_recipes(cfg: Config) -> list:
+    """Every recipe config of the run: the first, and each one `recipe.switch` changes to."""
+    return [cfg.recipe, *(s.recipe for s in resolve_switches(cfg.recipe, schedule_steps(cfg)))]
 
 
 def build_training(cfg: Config, rcfg, impl: str, dims: ParallelDims, device, init_from=None):
@@ -564,6 +582,12 @@ def _checked_config(cfg: Config, rank: int, world_size: int, device, say):
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     for line in config_warnings(cfg):
         say(line, flush=True)
+    if environment := attention_environment(run_recipes(cfg)):  # set by check_config
+        say(
+            "attention: FP8 under the delayed scaling TE builds for it (recipe.fp8_attention): "
+            + " ".join(f"{k}={v}" for k, v in environment.items()),
+            flush=True,
+        )
     # A model too big for this CPU: its cost here and the way out, before anything is built.
     if device.type == "cpu" and rank == 0:
         if note := cpu_note(cfg, world_size, torch.get_num_threads()):

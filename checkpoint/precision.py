@@ -10,7 +10,7 @@ a `recipe.switch` step): bf16, fp8_delayed, fp8_cs, fp8_block, mxfp8, nvfp4, wit
 | optimizer moments, step counts | exactly (the same optimizer on both sides) |
 | quantized weights (bytes and scales) | as saved where the parameter has the same format on both sides; otherwise cast again from its high-precision weight |
 | FusedAdam masters of high-precision parameters | as saved where both sides keep masters; otherwise set from the parameter (FusedAdam does not step them: they are its initial copy) |
-| DelayedScaling amax histories and scales | where both recipes are fp8_delayed (checkpoint/te_state.py); otherwise they start fresh |
+| DelayedScaling amax histories and scales | for the modules both recipes keep them for: every TE module under fp8_delayed, the attention modules under fp8_cs/mxfp8/nvfp4 with fp8_attention (checkpoint/te_state.py); otherwise they start fresh |
 
 `PrecisionPlan` decides this per parameter from the recipe the checkpoint was saved with (its
 config.yaml and step: recipes/switch.py `saved_recipe`) and the recipe of this run, and shapes
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from model.init import canonical_name
 from recipes.amax import local_tensor, weight_quantizers
 from recipes.config import RecipeConfig
-from recipes.recipe import resolve_bf16_layers
+from recipes.recipe import ATTENTION_BORROWS_DELAYED, resolve_bf16_layers
 from recipes.switch import label
 
 MASTER = "master_param"
@@ -47,7 +47,19 @@ _NOT_FORMAT = (
     "amax_history_len",
     "amax_compute_algo",
     "margin",
+    "fp8_attention",
 )
+
+
+def scaling_kept(cfg: RecipeConfig) -> str | None:
+    """Which modules keep delayed-scaling amax histories and scales under `cfg`: "all"
+    (fp8_delayed), "attention" (fp8_cs, mxfp8, nvfp4 with fp8_attention: TE's attention
+    modules run delayed scaling of their own), or None."""
+    if cfg.name == "fp8_delayed":
+        return "all"
+    if cfg.fp8_attention and cfg.name in ATTENTION_BORROWS_DELAYED:
+        return "attention"
+    return None
 
 
 def weight_format(cfg: RecipeConfig | None, fqn: str, quantizable: frozenset[str], n_layers: int):
@@ -140,7 +152,7 @@ class PrecisionPlan:
         if not self.translated and _same_recipe(saved, run):
             return
         recast = sum(p.run_quantized for p in self.translated.values())
-        delayed = ("fp8_delayed" == saved.name, "fp8_delayed" == run.name)
+        kept = (scaling_kept(saved), scaling_kept(run))
         self.report = [
             f"precision: checkpoint saved with {label(saved)}, this run uses {label(run)}",
             f"precision: high-precision weights carried over exactly ({from_masters} from fp32 "
@@ -154,13 +166,7 @@ class PrecisionPlan:
                 if not self.run_masters
                 else ("loaded as saved" if saved_masters else "set from the parameters")
             ),
-            "precision: delayed-scaling amax history and scales: "
-            + {
-                (True, True): "carried over",
-                (True, False): "not used by this recipe (left out)",
-                (False, True): "start fresh (the checkpoint's recipe keeps none)",
-                (False, False): "not used",
-            }[delayed],
+            "precision: delayed-scaling amax history and scales: " + _scaling_report(*kept),
         ]
 
     # -- load requests (checkpoint/state.py) ------------------------------------------------
@@ -237,6 +243,20 @@ class PrecisionPlan:
         if self.log is not None:
             for line in self.report:
                 self.log(line)
+
+
+def _scaling_report(saved: str | None, run: str | None) -> str:
+    """What a load does with the delayed-scaling state (checkpoint/te_state.py loads the
+    modules both recipes keep it for)."""
+    if saved is None:
+        return "not used" if run is None else "start fresh (the checkpoint's recipe keeps none)"
+    if run is None:
+        return "not used by this recipe (left out)"
+    if saved == run:
+        return "carried over"
+    if saved == "all":  # run: attention only
+        return "carried over for the attention modules (the others' not used by this recipe)"
+    return "carried over for the attention modules (the checkpoint's recipe kept no others)"
 
 
 def _same_recipe(a: RecipeConfig, b: RecipeConfig) -> bool:

@@ -234,7 +234,9 @@ def training_state(
     """Everything a resume needs, as DCP Statefuls. `te_recipe`: the TE recipe object of the
     run; with a DelayedScaling recipe and TE modules in the model, their amax histories and
     scales are saved too ("te_scaling"). `recipe`: the run's `recipes.Recipe`; with it a
-    checkpoint saved under another recipe loads too, and `log` gets what carried over."""
+    checkpoint saved under another recipe loads too, `log` gets what carried over, and under
+    fp8_cs/mxfp8/nvfp4 with recipe.fp8_attention the attention modules' delayed scaling is
+    saved ("te_scaling", loaded with `recipe.attention_te_recipe()`)."""
     plan = PrecisionPlan(model, optimizer, recipe, log) if recipe is not None else None
     # Loaded in this order (the model before the optimizer: see OptimizerState).
     state: dict[str, Stateful] = {
@@ -245,7 +247,8 @@ def training_state(
         "loader": ObjectState(loader),
         "rng": RNGState(),
     }
-    scaling = te_state.delayed_scaling_state(model, te_recipe)
+    attention_recipe = recipe.attention_te_recipe() if recipe is not None else None
+    scaling = te_state.delayed_scaling_state(model, te_recipe, attention_recipe)
     if scaling is not None:
         state["te_scaling"] = scaling
     return state

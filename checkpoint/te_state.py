@@ -2,7 +2,7 @@
 
 | gap | upstream | detect | ours | test |
 | --- | --- | --- | --- | --- |
-| DelayedScaling amax histories and scales live in each module's `_extra_state`, which does not load through DCP under FSDP2 (its size changes once FP8 has run) | TE issue 1860 (open) | modules with a delayed-scaling `fp8_meta` | `TEScalingState` (saved under "te_scaling") | tests/gpu/test_checkpoint_gpu.py (section 3), tests/test_checkpoint_dist.py |
+| DelayedScaling amax histories and scales live in each module's `_extra_state`, which does not load through DCP under FSDP2 (its size changes once FP8 has run) | TE issue 1860 (open) | modules with a delayed-scaling `fp8_meta` (every TE module under fp8_delayed; the attention modules under fp8_cs/mxfp8/nvfp4 with recipe.fp8_attention) | `TEScalingState` (saved under "te_scaling") | tests/gpu/test_checkpoint_gpu.py (section 3), tests/gpu/test_fp8_attention_gpu.py, tests/test_checkpoint_dist.py |
 | FusedAdam states of DTensor parameters are plain per-rank tensors, so they do not reshard | TE PR 2795 (in 2.20) | per state entry, at save | `optimizer_states_as_dtensors` / `optimizer_states_to_local` | tests/test_checkpoint_dist.py::test_plain_optimizer_states_of_dtensor_params_reshard |
 
 Nothing here imports TE: both work on what the modules and the optimizer hold.
@@ -79,12 +79,29 @@ def _delayed_scaling_modules(model: torch.nn.Module) -> dict[str, torch.nn.Modul
     }
 
 
-def delayed_scaling_state(model: torch.nn.Module, recipe: Any):
-    """TEScalingState for models with TE modules under a DelayedScaling recipe, else None."""
-    if recipe is None or not getattr(recipe, "delayed", lambda: False)():
+def _is_attention(module: torch.nn.Module) -> bool:
+    """TE's DotProductAttention (each TransformerLayer's `self_attention.core_attention`),
+    known by its class name so that nothing here imports TE."""
+    return any(c.__name__ == "DotProductAttention" for c in type(module).__mro__)
+
+
+def delayed_scaling_state(model: torch.nn.Module, recipe: Any, attention_recipe: Any = None):
+    """TEScalingState for the TE modules that keep delayed-scaling state, else None.
+
+    recipe: the run's TE recipe; a DelayedScaling one covers every TE module (attention with
+    fp8_dpa included: TE runs it under the same recipe). attention_recipe: under another recipe
+    with FP8 attention (fp8_cs, mxfp8, nvfp4 + recipe.fp8_attention), the DelayedScaling TE's
+    attention modules hold (`Recipe.attention_te_recipe`): their state alone is kept, and
+    loaded with that recipe, equal to the one TE builds at their next forward, so TE keeps the
+    loaded scales (set_meta_tensor leaves delayed-scaling state under a delayed recipe as it
+    is). The Linear modules' current or block scaling has no state to keep."""
+    if recipe is not None and getattr(recipe, "delayed", lambda: False)():
+        modules = _delayed_scaling_modules(model)
+        return TEScalingState(modules, recipe) if modules else None
+    if attention_recipe is None:
         return None
-    modules = _delayed_scaling_modules(model)
-    return TEScalingState(modules, recipe) if modules else None
+    modules = {n: m for n, m in _delayed_scaling_modules(model).items() if _is_attention(m)}
+    return TEScalingState(modules, attention_recipe) if modules else None
 
 
 _TENSORS = (

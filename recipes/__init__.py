@@ -1,4 +1,4 @@
-"""Precision recipes: bf16, fp8_delayed, fp8_cs, fp8_block, mxfp8, nvfp4.
+"""Precision recipes: bf16, fp8_delayed, fp8_cs, fp8_block, mxfp8, nvfp4 (+ FP8 attention).
 
 One `Recipe` object, built from the `recipe` config group, is the seam the model and trainer
 use: the TE recipe object, autocast and quantized-init contexts, per-layer high precision,
@@ -7,6 +7,12 @@ TransformerEngine is imported only inside the functions that need it.
 """
 
 from recipes.amax import set_weight_amax_groups, weight_amax_group, weight_quantizers
+from recipes.attention import (
+    apply_attention_environment,
+    attention_environment,
+    check_fp8_attention,
+    cudnn_version,
+)
 from recipes.config import RecipeConfig
 from recipes.quantized import master_weight_kwargs, quantize_weights, seed_master_weights
 from recipes.recipe import (
@@ -15,6 +21,7 @@ from recipes.recipe import (
     WEIGHT_TYPES,
     Recipe,
     TERecipeSpec,
+    attention_recipe_spec,
     build_recipe,
     build_te_recipe,
     check_bf16_layers,
@@ -34,11 +41,16 @@ __all__ = [
     "Recipe",
     "RecipeConfig",
     "TERecipeSpec",
+    "apply_attention_environment",
+    "attention_environment",
+    "attention_recipe_spec",
     "build_recipe",
     "build_te_recipe",
     "check_bf16_layers",
+    "check_fp8_attention",
     "check_recipe",
     "check_recipe_layout",
+    "cudnn_version",
     "device_capability",
     "master_weight_kwargs",
     "quantize_weights",

@@ -22,6 +22,9 @@ class RecipeSwitchConfig:
     quantized_init: bool | None = None
     #: bf16_layers from that step on (null: unchanged).
     bf16_layers: list[int] | None = None
+    #: fp8_attention from that step on (null: unchanged; false when switching to bf16 or
+    #: fp8_block).
+    fp8_attention: bool | None = None
 
 
 @dataclass
@@ -55,6 +58,13 @@ class RecipeConfig:
     #: nvfp4: quantize weights in 1x16 blocks instead of 16x16 (2-D); must stay false with
     #: quantized_init on several ranks.
     disable_2d_quantization: bool = False
+    #: Dot-product attention in FP8 too (TE's fp8_dpa: cuDNN fused FP8 attention), always with
+    #: delayed scaling, so a position's output never depends on later positions: fp8_delayed
+    #: uses its own recipe; fp8_cs, mxfp8 and nvfp4 keep theirs for the Linear layers and run
+    #: attention under TE's delayed-scaling attention recipe (train.py sets its NVTE_DPA_*
+    #: variables). Needs sm_90+ (head_dim 128 on sm_90) and data.document_mask=false; not
+    #: with bf16 or fp8_block (docs/PRECISION.md, FP8 attention).
+    fp8_attention: bool = False
     #: Transformer block indices kept in bf16 (negative counts from the end, e.g. [0, -1]).
     #: The output head is always kept in high precision.
     bf16_layers: list[int] = field(default_factory=list)

@@ -9,16 +9,18 @@ DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo), Float8C
 (fp8_format), Float8BlockScaling(fp8_format, x/w/grad_block_scaling_dim; its per-tensor-role
 QParams(power_2_scale, amax_epsilon) are class attributes, not constructor fields, so they are
 set on the instance after construction), MXFP8BlockScaling(fp8_format), NVFP4BlockScaling
-(disable_rht, disable_stochastic_rounding, disable_2d_quantization). Several TE defaults are read
-from NVTE_* environment variables; every field we configure is passed explicitly, so the
-recorded config, not the environment, decides the run.
+(disable_rht, disable_stochastic_rounding, disable_2d_quantization); each of them but
+Float8BlockScaling takes fp8_dpa (FP8 dot-product attention, recipe.fp8_attention). Several TE
+defaults are read from NVTE_* environment variables; every field we configure is passed
+explicitly, so the recorded config, not the environment, decides the run (the variables TE
+reads for its attention recipe are set from the config too: recipes/attention.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -62,6 +64,13 @@ WEIGHT_TYPES: dict[str, tuple[str, str]] = {
 
 FP8_FORMATS = ("HYBRID", "E4M3")  # TE asserts against pure E5M2 training
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+#: Recipes that run dot-product attention in FP8 with recipe.fp8_attention (TE's `fp8_dpa`).
+#: TE 2.20's Float8BlockScaling asserts that FP8 attention is unsupported.
+FP8_ATTENTION_RECIPES = ("fp8_delayed", "fp8_cs", "mxfp8", "nvfp4")
+#: Of those, the ones whose own scaling is not delayed: their attention runs under the
+#: delayed-scaling recipe TE builds for attention (recipes/attention.py).
+ATTENTION_BORROWS_DELAYED = ("fp8_cs", "mxfp8", "nvfp4")
 
 
 def sm(capability: tuple[int, int]) -> str:
@@ -114,10 +123,11 @@ def te_support(name: str) -> tuple[bool, str]:
 def _check_fields(cfg: RecipeConfig) -> None:
     """Field values TE would reject with an assert deep inside recipe construction."""
     name = cfg.name
-    if (
-        name in ("fp8_delayed", "fp8_cs", "fp8_block", "mxfp8")
-        and cfg.fp8_format not in FP8_FORMATS
-    ):
+    # nvfp4's own TE recipe has no fp8_format; its FP8 attention takes this one.
+    fp8_format_used = name in ("fp8_delayed", "fp8_cs", "fp8_block", "mxfp8") or (
+        name == "nvfp4" and cfg.fp8_attention
+    )
+    if fp8_format_used and cfg.fp8_format not in FP8_FORMATS:
         raise ConfigError(
             f"recipe.fp8_format={cfg.fp8_format!r} is not one of "
             f"{', '.join(FP8_FORMATS)} (TE does not train in pure E5M2)"
@@ -164,6 +174,17 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
         raise ConfigError(
             "recipe.quantized_init=true has no effect with recipe=bf16 (nothing "
             "is quantized); drop recipe.quantized_init or pick a quantized recipe"
+        )
+    if cfg.fp8_attention and name == "bf16":
+        raise ConfigError(
+            "recipe.fp8_attention=true has no effect with recipe=bf16 (nothing runs in FP8); "
+            "drop recipe.fp8_attention or pick an FP8 recipe (fp8_delayed, fp8_cs, mxfp8, nvfp4)"
+        )
+    if cfg.fp8_attention and name not in FP8_ATTENTION_RECIPES:
+        raise ConfigError(
+            f"recipe.fp8_attention=true with recipe={name}: TE 2.20 has no FP8 attention for "
+            "FP8 block scaling (Float8BlockScaling); drop recipe.fp8_attention, or use "
+            "recipe=fp8_delayed or fp8_cs"
         )
     _check_fields(cfg)
     if name != "bf16" and device.type != "cuda":
@@ -285,7 +306,16 @@ class TERecipeSpec:
 
 
 def te_recipe_spec(cfg: RecipeConfig) -> TERecipeSpec | None:
-    """Config -> TE recipe class and arguments; None for bf16."""
+    """Config -> TE recipe class and arguments; None for bf16. With recipe.fp8_attention the
+    recipe also asks for FP8 dot-product attention (`fp8_dpa`; check_recipe refuses it for
+    fp8_block, whose TE recipe asserts against it)."""
+    spec = _te_recipe_spec(cfg)
+    if spec is not None and cfg.fp8_attention and cfg.name in FP8_ATTENTION_RECIPES:
+        spec = replace(spec, kwargs={**spec.kwargs, "fp8_dpa": True})
+    return spec
+
+
+def _te_recipe_spec(cfg: RecipeConfig) -> TERecipeSpec | None:
     name = cfg.name
     if name == "bf16":
         return None
@@ -330,6 +360,39 @@ def te_recipe_spec(cfg: RecipeConfig) -> TERecipeSpec | None:
     raise ConfigError(f"recipe.name={name!r} is not one of {', '.join(RECIPES)}")
 
 
+#: The delayed scaling of attention under fp8_cs, mxfp8 and nvfp4 with recipe.fp8_attention:
+#: TE 2.20's DotProductAttention.init_fp8_metadata builds DelayedScaling(fp8_format,
+#: amax_history_len, amax_compute_algo, fp8_dpa, fp8_mha, reduce_amax) from
+#: NVTE_DPA_FP8DS_AMAX_HISTLEN, NVTE_DPA_FP8DS_AMAX_ALGO and NVTE_DPA_FP8DS_REDUCE_AMAX (its
+#: defaults, which recipes/attention.py sets explicitly): the scale of each step comes from the
+#: amax of the step before, reduced over the autocast's amax group.
+ATTENTION_AMAX_HISTORY_LEN = 1
+ATTENTION_AMAX_COMPUTE_ALGO = "most_recent"
+ATTENTION_REDUCE_AMAX = True
+
+
+def attention_recipe_spec(cfg: RecipeConfig) -> TERecipeSpec | None:
+    """The DelayedScaling TE builds for attention under fp8_cs, mxfp8 or nvfp4 with
+    recipe.fp8_attention, field for field (TE's recipes are dataclasses: a load that hands
+    attention modules an equal recipe is kept by their next forward). Its fp8_format is the
+    run recipe's (fp8_cs, mxfp8), or NVTE_DPA_FP8_FORMAT for nvfp4, which recipes/attention.py
+    sets to recipe.fp8_format. None when attention runs under the run's own recipe
+    (fp8_delayed) or not in FP8."""
+    if not (cfg.fp8_attention and cfg.name in ATTENTION_BORROWS_DELAYED):
+        return None
+    return TERecipeSpec(
+        "DelayedScaling",
+        {
+            "fp8_format": cfg.fp8_format,
+            "amax_history_len": ATTENTION_AMAX_HISTORY_LEN,
+            "amax_compute_algo": ATTENTION_AMAX_COMPUTE_ALGO,
+            "reduce_amax": ATTENTION_REDUCE_AMAX,
+            "fp8_dpa": True,
+            "fp8_mha": False,
+        },
+    )
+
+
 def build_te_recipe(spec: TERecipeSpec):
     from transformer_engine.common import recipe as te_recipe
 
@@ -368,11 +431,12 @@ class Recipe:
         self.n_layers = n_layers
         self.bf16_layer_ids: frozenset[int] = resolve_bf16_layers(cfg.bf16_layers, n_layers)
         self._te_recipe = None
+        self._attention_te_recipe = None
 
     def __repr__(self) -> str:
         return (
             f"Recipe({self.name}, quantized_init={self.quantized_init}, "
-            f"bf16_layers={sorted(self.bf16_layer_ids)})"
+            f"bf16_layers={sorted(self.bf16_layer_ids)}, fp8_attention={self.fp8_attention})"
         )
 
     @property
@@ -411,6 +475,23 @@ class Recipe:
         if self._te_recipe is None:
             self._te_recipe = build_te_recipe(self.te_spec())
         return self._te_recipe
+
+    @property
+    def fp8_attention(self) -> bool:
+        """Dot-product attention runs in FP8 (recipe.fp8_attention), always delayed-scaled."""
+        return self.name in FP8_ATTENTION_RECIPES and bool(self.cfg.fp8_attention)
+
+    def attention_te_recipe(self):
+        """The DelayedScaling TE's attention modules hold in their fp8_meta under fp8_cs, mxfp8
+        or nvfp4 with fp8_attention (`attention_recipe_spec`), built once; the checkpoint
+        loads their scales with it (checkpoint/te_state.py). None otherwise: under fp8_delayed
+        attention keeps the run's recipe, `te_recipe()`."""
+        spec = attention_recipe_spec(self.cfg)
+        if spec is None:
+            return None
+        if self._attention_te_recipe is None:
+            self._attention_te_recipe = build_te_recipe(spec)
+        return self._attention_te_recipe
 
     def autocast(self, enabled: bool = True, amax_group=None) -> AbstractContextManager:
         """Forward context. amax_group only matters for fp8_delayed (TE reduces the amax history

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from errors import ConfigError
 from recipes.config import RecipeConfig, RecipeSwitchConfig
+from recipes.recipe import FP8_ATTENTION_RECIPES
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ def switch_step(at: float, schedule_steps: int, index: int) -> int:
 
 
 def label(cfg: RecipeConfig) -> str:
-    """A recipe as the logs name it: fp8_cs+quantized_init bf16_layers=[0]."""
+    """A recipe as the logs name it: fp8_cs+quantized_init+fp8_attention bf16_layers=[0]."""
     text = cfg.name + ("+quantized_init" if cfg.quantized_init and cfg.name != "bf16" else "")
+    text += "+fp8_attention" if cfg.fp8_attention and cfg.name in FP8_ATTENTION_RECIPES else ""
     if list(cfg.bf16_layers):
         text += f" bf16_layers={list(cfg.bf16_layers)}"
     return text
@@ -93,9 +95,26 @@ def resolve_switches(cfg: RecipeConfig, schedule_steps: int) -> list[Switch]:
         layers = _field(entry, "bf16_layers")
         if layers is not None:
             changes["bf16_layers"] = [int(x) for x in layers]
+        fp8_attention = _field(entry, "fp8_attention")
+        if name in ("bf16", "fp8_block"):
+            if fp8_attention:
+                why = (
+                    "has no effect with name=bf16 (nothing runs in FP8)"
+                    if name == "bf16"
+                    else "is not available with name=fp8_block (TE 2.20 has no FP8 attention "
+                    "for FP8 block scaling)"
+                )
+                raise ConfigError(
+                    f"recipe.switch[{i}]: fp8_attention=true {why}; drop fp8_attention from "
+                    "this entry"
+                )
+            changes["fp8_attention"] = False
+        elif fp8_attention is not None:
+            changes["fp8_attention"] = bool(fp8_attention)
         if not changes:
             raise ConfigError(
-                f"recipe.switch[{i}] changes nothing; give name, quantized_init or bf16_layers"
+                f"recipe.switch[{i}] changes nothing; give name, quantized_init, bf16_layers "
+                "or fp8_attention"
             )
         current = replace(current, **changes)
         resolved.append(Switch(step, current))
@@ -125,7 +144,7 @@ def saved_recipe(config: dict | None, step: int) -> RecipeConfig | None:
             **{
                 k: v
                 for k, v in dict(e).items()
-                if k in ("at", "name", "quantized_init", "bf16_layers")
+                if k in ("at", "name", "quantized_init", "bf16_layers", "fp8_attention")
             }
         )
         for e in raw.get("switch") or []

@@ -436,3 +436,101 @@ def _amax_max_worker(rank, world_size):
 
 def test_delayed_scaling_state_saves_newest_amax_max_over_ranks():
     run_distributed(_amax_max_worker, 2)
+
+
+# -- FP8 attention's delayed scaling under a current-scaling recipe (one process) -----------
+
+
+def _delayed_meta(history_len: int, fill: float):
+    from types import SimpleNamespace
+
+    return (
+        SimpleNamespace(
+            scale=torch.full((9,), fill), amax_history=torch.full((history_len, 9), fill)
+        ),
+        SimpleNamespace(
+            scale=torch.full((6,), fill), amax_history=torch.full((history_len, 6), fill)
+        ),
+    )
+
+
+class _FakeTEModule(torch.nn.Module):
+    """A TE module's scaling surface: `fp8_meta` with scaling_fwd / scaling_bwd, and
+    `init_fp8_meta_tensors(recipe)`, which allocates fresh state for the recipe (what
+    TEScalingState.load_state_dict calls, as TE's set_extra_state does)."""
+
+    def __init__(self, state: str | None, fill: float = 0.0):
+        super().__init__()
+        self.fp8_meta = {"num_gemms": 3}
+        self.allocated_for = []
+        if state == "delayed":
+            fwd, bwd = _delayed_meta(1, fill)
+            self.fp8_meta.update(scaling_fwd=fwd, scaling_bwd=bwd)
+        elif state == "current":  # current scaling: a scale per cast, no amax history
+            from types import SimpleNamespace
+
+            self.fp8_meta.update(scaling_fwd=SimpleNamespace(), scaling_bwd=SimpleNamespace())
+
+    def init_fp8_meta_tensors(self, recipe) -> None:
+        self.allocated_for.append(recipe)
+        fwd, bwd = _delayed_meta(recipe.amax_history_len, 0.0)
+        self.fp8_meta.update(scaling_fwd=fwd, scaling_bwd=bwd)
+
+
+class DotProductAttention(_FakeTEModule):
+    """Named as TE's: checkpoint/te_state.py tells attention modules by their class name."""
+
+
+def _attention_model(trained: bool) -> torch.nn.Module:
+    """Two TE-shaped blocks under fp8_cs + fp8_attention: `layernorm_qkv` with current-scaling
+    state, `core_attention` with delayed scaling (after a step: filled with 1 + block index)."""
+    layers = torch.nn.ModuleList()
+    for i in range(2):
+        block = torch.nn.Module()
+        block.self_attention = torch.nn.Module()
+        block.self_attention.layernorm_qkv = _FakeTEModule("current" if trained else None)
+        block.self_attention.core_attention = DotProductAttention(
+            "delayed" if trained else None, fill=1.0 + i
+        )
+        layers.append(block)
+    model = torch.nn.Module()
+    model.layers = layers
+    return model
+
+
+def test_attention_scaling_state_under_a_current_scaling_recipe():
+    """fp8_cs + fp8_attention: only the attention modules keep delayed-scaling state; it is
+    saved, and loaded with the attention recipe (the DelayedScaling TE builds for them), the
+    Linear modules left as they are. Under fp8_delayed every module is kept, with the run's
+    recipe; without an attention recipe a current-scaling run keeps nothing."""
+    from types import SimpleNamespace
+
+    from checkpoint.te_state import delayed_scaling_state
+
+    current = SimpleNamespace(delayed=lambda: False)  # the run's Float8CurrentScaling
+    attention = SimpleNamespace(delayed=lambda: True, amax_history_len=1)
+    names = [f"layers.{i}.self_attention.core_attention" for i in range(2)]
+    trained = _attention_model(trained=True)
+    assert delayed_scaling_state(trained, current) is None
+    state = delayed_scaling_state(trained, current, attention)
+    assert sorted(state.modules) == names and state.recipe is attention
+    sd = state.state_dict()
+    assert sorted(sd) == names
+    for i, name in enumerate(names):
+        assert sd[name]["num_gemms"] == 3
+        assert torch.equal(sd[name]["scale_fwd"], torch.full((9,), 1.0 + i))
+        assert torch.equal(sd[name]["amax_history_bwd"], torch.full((1, 6), 1.0 + i))
+
+    fresh = _attention_model(trained=False)  # a resumed run: built, no FP8 forward yet
+    delayed_scaling_state(fresh, current, attention).load_state_dict(sd)
+    for i, block in enumerate(fresh.layers):
+        core = block.self_attention.core_attention
+        assert core.fp8_meta["recipe"] is attention and core.allocated_for == [attention]
+        assert torch.equal(core.fp8_meta["scaling_fwd"].scale, torch.full((9,), 1.0 + i))
+        assert torch.equal(core.fp8_meta["scaling_bwd"].amax_history, torch.full((1, 6), 1.0 + i))
+        linear = block.self_attention.layernorm_qkv
+        assert "recipe" not in linear.fp8_meta and linear.allocated_for == []
+
+    delayed = SimpleNamespace(delayed=lambda: True, amax_history_len=1)  # fp8_delayed's recipe
+    every = delayed_scaling_state(_attention_model(trained=True), delayed, attention)
+    assert len(every.modules) == 4 and every.recipe is delayed

@@ -37,7 +37,7 @@ def test_default_composes_and_validates():
 @pytest.mark.parametrize(
     "group,options",
     [
-        ("model", ["tiny", "small", "llama3_1b", "llama3_8b", "llama3_70b"]),
+        ("model", ["tiny", "small", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b"]),
         ("recipe", ["bf16", "fp8_delayed", "fp8_cs", "fp8_block", "mxfp8", "nvfp4"]),
         ("parallel", ["ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp"]),
         ("checkpoint", ["none", "sync", "async", "async_process"]),
@@ -67,6 +67,19 @@ def test_llama3_shapes():
     assert m.padded_vocab_size == 128256 and m.rope_scaling.factor == 8.0
     assert load("model=llama3_1b").model.tie_embeddings
     assert load("model=llama3_70b").model.n_layers == 80
+    m = load("model=llama3_3b").model  # Llama 3.2 3B
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (
+        3072,
+        28,
+        24,
+        8,
+        8192,
+        128256,
+    )
+    assert m.tie_embeddings and m.rope_scaling.factor == 32.0 and m.max_seq_len == 131072
+    # head_dim 128, the one TE trains FP8 attention with on sm_90 (llama3_1b: 64).
+    assert [load(f"model={n}").model.head_dim for n in ("llama3_1b", "llama3_3b")] == [64, 128]
+    assert load("model=llama3_8b").model.head_dim == load("model=llama3_70b").model.head_dim == 128
 
 
 def test_big_composition_from_issue():
@@ -197,6 +210,12 @@ def run_cli(*overrides: str) -> subprocess.CompletedProcess:
         (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
         (["recipe=fp8_cs"], "error: recipe=fp8_cs needs"),
         (["model=foo"], "error: model: no option 'foo'; choose one of hf, llama3_1b"),
+        (
+            ["recipe.fp8_attention=true"],
+            "error: recipe.fp8_attention=true has no effect with recipe=bf16 (nothing runs in "
+            "FP8); drop recipe.fp8_attention or pick an FP8 recipe (fp8_delayed, fp8_cs, mxfp8, "
+            "nvfp4)",
+        ),
     ],
 )
 def test_cli_bad_input_one_line_no_traceback(overrides, message):

@@ -194,7 +194,7 @@ def test_help_answers_a_wrong_prefix_or_option_in_one_line(capsys, monkeypatch):
     assert status == 2 and not out
     assert err == (
         "error: --help model=llama3-1b: model: no option 'llama3-1b'; choose one of hf, "
-        "llama3_1b, llama3_70b, llama3_8b, small, tiny (files of conf/model/)\n"
+        "llama3_1b, llama3_3b, llama3_70b, llama3_8b, small, tiny (files of conf/model/)\n"
     )
 
 

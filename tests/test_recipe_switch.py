@@ -75,6 +75,16 @@ def test_switch_steps_and_recipes():
         ("[{at: 0.8, name: bf16}, {at: 0.5, bf16_layers: [0]}]", "recipe.switch[1] is at step 150"),
         ("[{at: 5}]", "recipe.switch[0] changes nothing"),
         ("[{at: 5, name: bf16, quantized_init: true}]", "quantized_init=true has no effect"),
+        (
+            "[{at: 5, name: bf16, fp8_attention: true}]",
+            "recipe.switch[0]: fp8_attention=true has no effect with name=bf16 (nothing runs in "
+            "FP8); drop fp8_attention from this entry",
+        ),
+        (
+            "[{at: 5, name: fp8_block, fp8_attention: true}]",
+            "recipe.switch[0]: fp8_attention=true is not available with name=fp8_block (TE 2.20 "
+            "has no FP8 attention for FP8 block scaling); drop fp8_attention from this entry",
+        ),
     ],
 )
 def test_bad_switches_are_one_line(switch, message):
@@ -82,6 +92,111 @@ def test_bad_switches_are_one_line(switch, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert "\n" not in str(e.value) and message in str(e.value)
+
+
+def test_switch_of_fp8_attention():
+    """fp8_attention switches like quantized_init: null keeps it, a switch to bf16 or fp8_block
+    turns it off; the label names it, and a saved config gives it back."""
+    cfg = RecipeConfig(
+        name="fp8_delayed",
+        switch=[
+            RecipeSwitchConfig(at=4, fp8_attention=True),
+            RecipeSwitchConfig(at=6, name="fp8_cs"),
+            RecipeSwitchConfig(at=8, name="fp8_block"),
+            RecipeSwitchConfig(at=9, name="fp8_cs"),
+        ],
+    )
+    switches = resolve_switches(cfg, schedule_steps=10)
+    assert [(s.recipe.name, s.recipe.fp8_attention) for s in switches] == [
+        ("fp8_delayed", True),
+        ("fp8_cs", True),  # null: unchanged
+        ("fp8_block", False),
+        ("fp8_cs", False),  # turned off by the switch to fp8_block, not back on
+    ]
+    assert [label(recipe_for_step(cfg, s, 10)) for s in (4, 5, 7, 9, 10)] == [
+        "fp8_delayed",
+        "fp8_delayed+fp8_attention",
+        "fp8_cs+fp8_attention",
+        "fp8_block",
+        "fp8_cs",
+    ]
+    saved = OmegaConf.to_container(OmegaConf.structured({"recipe": cfg, "train": {"steps": 10}}))
+    assert saved_recipe(saved, 7) == switches[1].recipe
+    assert saved_recipe(saved, 7).fp8_attention and not saved_recipe(saved, 4).fp8_attention
+    off = resolve_switches(
+        RecipeConfig(name="fp8_cs", fp8_attention=True, switch=[{"at": 2, "name": "bf16"}]), 5
+    )
+    assert (off[0].recipe.name, off[0].recipe.fp8_attention) == ("bf16", False)
+
+
+def test_fp8_attention_changed_at_resume_is_a_recipe_change():
+    """Like any recipe field: refused unless resume.accept names it (or recipe); a checkpoint
+    from before the field ran attention in bf16; a switch that moves onto the checkpoint's
+    step is named with it (check_recipe_at_resume)."""
+    from config import check_recipe_at_resume
+
+    def resolved(*overrides):
+        return OmegaConf.to_yaml(OmegaConf.structured(compose_config(overrides)))
+
+    saved = resolved("recipe=fp8_cs")
+    current = resolved("recipe=fp8_cs", "recipe.fp8_attention=true")
+    with pytest.raises(ConfigError) as e:
+        check_resume(saved, current, [], step=5)
+    msg = str(e.value)
+    assert "\n" not in msg and "recipe.fp8_attention False -> True" in msg, msg
+    assert "resume.accept=[recipe.fp8_attention]" in msg
+    for accept in (["recipe.fp8_attention"], ["recipe"]):
+        (change,) = check_resume(saved, current, accept, step=5)
+        assert str(change) == "recipe.fp8_attention False -> True"
+    old = yaml.safe_load(saved)
+    del old["recipe"]["fp8_attention"]
+    assert check_resume(yaml.safe_dump(old), saved, [], step=5) == []
+    switch = "recipe.switch=[{at: 0.8, fp8_attention: true}]"
+    before = resolved("recipe=fp8_cs", switch, "train.steps=25")
+    stretched = resolved("recipe=fp8_cs", switch, "train.steps=50")
+    with pytest.raises(ConfigError) as e:
+        check_recipe_at_resume(before, stretched, ["train.steps"], step=25)
+    assert (
+        "saved with recipe fp8_cs+fp8_attention, but this config's recipe.switch puts fp8_cs at"
+        in str(e.value)
+    )
+
+
+def test_precision_report_of_attention_scaling():
+    """What a load under another recipe says about delayed-scaling state, attention's too;
+    FP8 attention does not change how a quantized weight is stored."""
+    from checkpoint.precision import _scaling_report, scaling_kept, weight_format
+
+    q = frozenset({"layers.0.self_attention.proj.weight"})
+    formats = {
+        weight_format(RecipeConfig(name="fp8_cs", quantized_init=True, fp8_attention=a), w, q, 2)
+        for a in (False, True)
+        for w in q
+    }
+    assert len(formats) == 1 and None not in formats
+
+    kinds = {
+        n: scaling_kept(rc)
+        for n, rc in {
+            "bf16": RecipeConfig(),
+            "fp8_cs": RecipeConfig(name="fp8_cs"),
+            "fp8_delayed": RecipeConfig(name="fp8_delayed", fp8_attention=True),
+            "fp8_cs+attention": RecipeConfig(name="fp8_cs", fp8_attention=True),
+            "fp8_block": RecipeConfig(name="fp8_block"),
+        }.items()
+    }
+    assert kinds == {
+        "bf16": None,
+        "fp8_cs": None,
+        "fp8_delayed": "all",
+        "fp8_cs+attention": "attention",
+        "fp8_block": None,
+    }
+    assert _scaling_report("attention", "attention") == "carried over"
+    assert _scaling_report("all", "attention").startswith("carried over for the attention")
+    assert _scaling_report("attention", "all").startswith("carried over for the attention")
+    assert _scaling_report("attention", None) == "not used by this recipe (left out)"
+    assert _scaling_report(None, "attention").startswith("start fresh")
 
 
 def test_switch_needs_checkpoints_and_a_runnable_recipe():

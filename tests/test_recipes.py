@@ -35,8 +35,12 @@ from config import ConfigError, compose_config
 from model.config import ModelConfig
 from recipes import (
     RecipeConfig,
+    apply_attention_environment,
+    attention_environment,
+    attention_recipe_spec,
     build_recipe,
     check_bf16_layers,
+    check_fp8_attention,
     check_recipe,
     master_weight_kwargs,
     quantize_weights,
@@ -181,6 +185,22 @@ def test_te_own_verdict_is_reported(monkeypatch):
             RecipeConfig(name="fp8_block", x_block_scaling_dim=2, w_block_scaling_dim=2),
             "recipe.x_block_scaling_dim and recipe.w_block_scaling_dim are both 2: TE has no "
             "2D-by-2D block GEMM; set one of them to 1",
+        ),
+        (
+            RecipeConfig(name="bf16", fp8_attention=True),
+            "recipe.fp8_attention=true has no effect with recipe=bf16 (nothing runs in FP8); "
+            "drop recipe.fp8_attention or pick an FP8 recipe (fp8_delayed, fp8_cs, mxfp8, nvfp4)",
+        ),
+        (
+            RecipeConfig(name="fp8_block", fp8_attention=True),
+            "recipe.fp8_attention=true with recipe=fp8_block: TE 2.20 has no FP8 attention for "
+            "FP8 block scaling (Float8BlockScaling); drop recipe.fp8_attention, or use "
+            "recipe=fp8_delayed or fp8_cs",
+        ),
+        (
+            # nvfp4's attention takes recipe.fp8_format (NVTE_DPA_FP8_FORMAT): checked then.
+            RecipeConfig(name="nvfp4", fp8_attention=True, fp8_format="E5M2"),
+            "recipe.fp8_format='E5M2' is not one of HYBRID, E4M3 (TE does not train in pure E5M2)",
         ),
     ],
 )
@@ -828,3 +848,238 @@ def test_block_scaled_quantized_weights_on_every_layout():
             1,
             1,
         )
+
+
+# ---------------------------------------------------------------- FP8 attention
+
+#: What a run with FP8 attention under fp8_cs / mxfp8 / nvfp4 sets before TE is imported.
+ATTENTION_ENV = {
+    "NVTE_DPA_FP8_RECIPE": "DelayedScaling",
+    "NVTE_DPA_FP8_FORMAT": "HYBRID",
+    "NVTE_DPA_FP8DS_AMAX_HISTLEN": "1",
+    "NVTE_DPA_FP8DS_AMAX_ALGO": "most_recent",
+    "NVTE_DPA_FP8DS_REDUCE_AMAX": "1",
+    "NVTE_DPA_FP8_RECIPE_DPA": "0",
+    "NVTE_DPA_FP8_RECIPE_MHA": "0",
+}
+CS_ATTENTION = RecipeConfig(name="fp8_cs", fp8_attention=True)
+DELAYED_ATTENTION = RecipeConfig(name="fp8_delayed", fp8_attention=True)
+
+
+def test_fp8_attention_reaches_te_as_fp8_dpa():
+    for name in ("fp8_delayed", "fp8_cs", "mxfp8", "nvfp4"):
+        off, on = (te_recipe_spec(RecipeConfig(name=name, fp8_attention=a)) for a in (False, True))
+        assert "fp8_dpa" not in off.kwargs
+        assert (on.cls, on.kwargs) == (off.cls, {**off.kwargs, "fp8_dpa": True}), name
+    spec = te_recipe_spec(load_recipe("recipe=fp8_cs", "recipe.fp8_attention=true"))
+    assert spec.kwargs == {"fp8_format": "HYBRID", "fp8_dpa": True}
+
+
+def test_attention_recipe_is_the_delayed_scaling_te_builds_for_attention(monkeypatch):
+    """fp8_cs, mxfp8, nvfp4: TE's DotProductAttention builds DelayedScaling(fp8_format,
+    amax_history_len=1, amax_compute_algo="most_recent", fp8_dpa, fp8_mha, reduce_amax=True)
+    (its NVTE_DPA_FP8DS_* defaults, set explicitly); fp8_delayed: attention keeps the run's."""
+    assert attention_recipe_spec(DELAYED_ATTENTION) is None
+    assert attention_recipe_spec(RecipeConfig(name="fp8_cs")) is None
+    for name, fmt in (("fp8_cs", "HYBRID"), ("mxfp8", "E4M3"), ("nvfp4", "E4M3")):
+        spec = attention_recipe_spec(RecipeConfig(name=name, fp8_attention=True, fp8_format=fmt))
+        assert (spec.cls, spec.kwargs) == (
+            "DelayedScaling",
+            {
+                "fp8_format": fmt,
+                "amax_history_len": 1,
+                "amax_compute_algo": "most_recent",
+                "reduce_amax": True,
+                "fp8_dpa": True,
+                "fp8_mha": False,
+            },
+        )
+    Calls().install(monkeypatch)
+    cs = build_recipe(CS_ATTENTION, 2)
+    attention = cs.attention_te_recipe()
+    assert cs.fp8_attention and attention.spec == attention_recipe_spec(CS_ATTENTION)
+    assert cs.attention_te_recipe() is attention and attention is not cs.te_recipe()
+    delayed = build_recipe(DELAYED_ATTENTION, 2)
+    assert delayed.fp8_attention and delayed.attention_te_recipe() is None
+    assert not build_recipe(RecipeConfig(name="fp8_cs"), 2).fp8_attention
+
+
+def test_attention_environment_per_recipe():
+    assert attention_environment([RecipeConfig(name="fp8_cs")]) == {}
+    assert attention_environment([DELAYED_ATTENTION]) == {}  # its own recipe: nothing to set
+    for name in ("fp8_cs", "mxfp8", "nvfp4"):
+        assert attention_environment([RecipeConfig(name=name, fp8_attention=True)]) == ATTENTION_ENV
+    # nvfp4's recipe has no FP8 format: its attention takes recipe.fp8_format.
+    nvfp4 = RecipeConfig(name="nvfp4", fp8_attention=True, fp8_format="E4M3")
+    assert attention_environment([nvfp4]) == {**ATTENTION_ENV, "NVTE_DPA_FP8_FORMAT": "E4M3"}
+    # A switch target counts like the first recipe.
+    assert attention_environment([RecipeConfig(name="fp8_delayed"), CS_ATTENTION]) == ATTENTION_ENV
+    with pytest.raises(ConfigError) as info:
+        attention_environment([nvfp4, RecipeConfig(name="nvfp4", fp8_attention=True)])
+    assert str(info.value) == (
+        "recipe.fp8_attention=true with recipe=nvfp4 under recipe.fp8_format=E4M3 and HYBRID in "
+        "one run: TE reads the FP8 format of nvfp4's attention once per process "
+        "(NVTE_DPA_FP8_FORMAT); give every nvfp4 recipe of the run one recipe.fp8_format"
+    )
+
+
+def test_apply_attention_environment_and_its_conflicts():
+    env: dict[str, str] = {}
+    assert apply_attention_environment([CS_ATTENTION], env) == ATTENTION_ENV == env
+    # Again (a dry run, a sweep's next job): the same values pass.
+    assert apply_attention_environment([CS_ATTENTION], env) == ATTENTION_ENV == env
+    env = {"PATH": "/bin"}
+    assert apply_attention_environment([RecipeConfig(name="fp8_cs")], env) == {}
+    assert apply_attention_environment([DELAYED_ATTENTION], env) == {} and env == {"PATH": "/bin"}
+    # A value the user set that the run would change: one line naming it, nothing set.
+    env = {"NVTE_DPA_FP8DS_AMAX_HISTLEN": "16"}
+    with pytest.raises(ConfigError) as info:
+        apply_attention_environment([CS_ATTENTION], env)
+    assert str(info.value) == (
+        "NVTE_DPA_FP8DS_AMAX_HISTLEN=16 is set in the environment, but "
+        "recipe.fp8_attention=true with recipe=fp8_cs runs attention in TE's delayed scaling "
+        "and sets NVTE_DPA_FP8DS_AMAX_HISTLEN=1 itself (docs/PRECISION.md, FP8 attention); "
+        "unset NVTE_DPA_FP8DS_AMAX_HISTLEN"
+    )
+    assert env == {"NVTE_DPA_FP8DS_AMAX_HISTLEN": "16"}
+    # fp8_delayed: attention runs under the recipe's own delayed scaling, unless the variable
+    # sends it elsewhere (current scaling: the past would depend on the future).
+    apply_attention_environment([DELAYED_ATTENTION], {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"})
+    with pytest.raises(ConfigError) as info:
+        apply_attention_environment(
+            [DELAYED_ATTENTION], {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"}
+        )
+    assert str(info.value) == (
+        "NVTE_DPA_FP8_RECIPE=Float8CurrentScaling is set in the environment, but "
+        "recipe.fp8_attention=true with recipe=fp8_delayed runs attention under the recipe's "
+        "own delayed scaling (a position's output never depends on later positions); unset "
+        "NVTE_DPA_FP8_RECIPE"
+    )
+
+
+def test_attention_environment_after_te_was_imported(monkeypatch):
+    """TE's attention modules read the variables once, at import: one imported before the
+    run could set them is refused in one line, with the way out."""
+    import sys
+
+    from recipes.attention import DPA_MODULE, MHA_MODULE
+
+    dpa = SimpleNamespace(
+        _dpa_fp8_recipe="",
+        _dpa_fp8_format=SimpleNamespace(name="HYBRID"),  # TE keeps a Format member
+        _dpa_fp8ds_amax_histlen=1,
+        _dpa_fp8ds_amax_algo="most_recent",
+        _dpa_fp8ds_reduce_amax=True,
+    )
+    mha = SimpleNamespace(_dpa_fp8_recipe="", _dpa_fp8_recipe_dpa=False, _dpa_fp8_recipe_mha=False)
+    monkeypatch.setitem(sys.modules, DPA_MODULE, dpa)
+    monkeypatch.setitem(sys.modules, MHA_MODULE, mha)
+    env: dict[str, str] = {}
+    with pytest.raises(ConfigError) as info:
+        apply_attention_environment([CS_ATTENTION], env)
+    exports = " ".join(f"{k}={v}" for k, v in ATTENTION_ENV.items())
+    assert str(info.value) == (
+        "TransformerEngine's attention was imported in this process before "
+        "recipe.fp8_attention=true with recipe=fp8_cs could set "
+        "NVTE_DPA_FP8_RECIPE=DelayedScaling (TE reads it once, at import, and holds ''); start "
+        f"the run in a fresh process, or set {exports} before Python starts"
+    )
+    assert env == {}
+    assert apply_attention_environment([DELAYED_ATTENTION], env) == {}  # TE's default is its
+    # Imported after the variables were set (an exported environment): the same values.
+    dpa._dpa_fp8_recipe = mha._dpa_fp8_recipe = "DelayedScaling"
+    assert apply_attention_environment([CS_ATTENTION], env) == ATTENTION_ENV
+    mha._dpa_fp8_recipe_mha = True
+    with pytest.raises(ConfigError, match=r"set NVTE_DPA_FP8_RECIPE_MHA=0 .* holds '1'"):
+        apply_attention_environment([CS_ATTENTION], {})
+    dpa._dpa_fp8_recipe = "Float8CurrentScaling"
+    with pytest.raises(ConfigError) as info:
+        apply_attention_environment([DELAYED_ATTENTION], {})
+    assert str(info.value).startswith(
+        "TransformerEngine's attention was imported in this process with "
+        "NVTE_DPA_FP8_RECIPE=Float8CurrentScaling (read once, at import)"
+    )
+
+
+def test_check_config_sets_the_attention_environment_before_te(monkeypatch):
+    """train.check_config applies the variables before anything imports TE (its first step
+    after the config's own rules), so a refused run has set them too: harmless, it ends."""
+    import os
+
+    from train import check_config
+
+    for key in ATTENTION_ENV:  # restored (removed) after the test
+        monkeypatch.setenv(key, "-")
+        monkeypatch.delenv(key)
+    cfg = compose_config(["recipe=fp8_cs", "recipe.fp8_attention=true"])
+    with pytest.raises(ConfigError, match=r"^recipe=fp8_cs needs TransformerEngine and a CUDA"):
+        check_config(cfg, 1, CPU)
+    assert {k: os.environ.get(k) for k in ATTENTION_ENV} == ATTENTION_ENV
+
+
+MODEL_128 = ModelConfig(dim=256, n_heads=2, n_kv_heads=1)  # head_dim 128
+MODEL_64 = ModelConfig(dim=256, n_heads=4, n_kv_heads=2)  # head_dim 64 (llama3_1b's)
+
+
+def attention_error(cfg, mcfg=MODEL_128, data=None, deterministic=False) -> str:
+    from data.config import DataConfig
+
+    data = data if data is not None else DataConfig(document_mask=False)
+    with pytest.raises(ConfigError) as info:
+        check_fp8_attention(cfg, mcfg, data, deterministic, CUDA)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_fp8_attention_refusals(monkeypatch):
+    from data.config import DataConfig
+
+    fake_gpu(monkeypatch, H100, (9, 0))
+    causal = DataConfig(document_mask=False)
+    # Documents: TE 2.20's FP8 attention has no THD layout (synthetic data too, unless no
+    # sample holds a document boundary).
+    message = (
+        "recipe.fp8_attention=true with data.document_mask=true: TE 2.20 runs FP8 attention on "
+        "the bshd/sbhd layouts only, not the THD layout document masking uses; set "
+        "data.document_mask=false (causal attention over each whole sample)"
+    )
+    assert attention_error(CS_ATTENTION, data=DataConfig()) == message
+    assert attention_error(CS_ATTENTION, data=DataConfig(name="synthetic")) == message
+    rows = DataConfig(name="synthetic", doc_len_dist="whole_rows")
+    check_fp8_attention(CS_ATTENTION, MODEL_128, rows, False, CUDA)
+    # sm_90 trains FP8 attention with head_dim 128 only.
+    assert attention_error(DELAYED_ATTENTION, MODEL_64) == (
+        "recipe.fp8_attention=true with head_dim 64 (model.dim=256 / model.n_heads=4): on sm_90 "
+        "(NVIDIA H100 80GB HBM3) TE trains FP8 attention with head_dim 128 only; use a model "
+        "with head_dim 128 (llama3_3b, llama3_8b, llama3_70b) or drop recipe.fp8_attention"
+    )
+    for cfg in (CS_ATTENTION, DELAYED_ATTENTION):
+        check_fp8_attention(cfg, MODEL_128, causal, False, CUDA)
+    # Without fp8_attention nothing here applies.
+    check_fp8_attention(RecipeConfig(name="fp8_cs"), MODEL_64, DataConfig(), True, CUDA)
+    # Below sm_90 there is no FP8 fused attention; Blackwell takes other head sizes.
+    fake_gpu(monkeypatch, "NVIDIA L40S", (8, 9))
+    assert attention_error(DELAYED_ATTENTION) == (
+        "recipe.fp8_attention=true needs compute capability >= 9.0 (Hopper: TE's FP8 attention "
+        "is cuDNN's fused attention, sm_90 and newer); this GPU is NVIDIA L40S (sm_89): drop "
+        "recipe.fp8_attention"
+    )
+    fake_gpu(monkeypatch, "NVIDIA B200", (10, 0))
+    check_fp8_attention(
+        RecipeConfig(name="mxfp8", fp8_attention=True), MODEL_64, causal, False, CUDA
+    )
+    # Deterministic FP8 attention backward: cuDNN >= 9.19.
+    fake_gpu(monkeypatch, H100, (9, 0))
+    monkeypatch.setattr(recipes, "cudnn_version", lambda: (9, 10, 2))
+    assert attention_error(CS_ATTENTION, deterministic=True) == (
+        "train.deterministic=true with recipe.fp8_attention=true needs cuDNN >= 9.19 (TE 2.20 "
+        "has no deterministic FP8 attention backward before it); this run has cuDNN 9.10.2: set "
+        "train.deterministic=false, drop recipe.fp8_attention, or install cuDNN >= 9.19"
+    )
+    monkeypatch.setattr(recipes, "cudnn_version", lambda: None)
+    assert "this run has no cuDNN:" in attention_error(CS_ATTENTION, deterministic=True)
+    monkeypatch.setattr(recipes, "cudnn_version", lambda: (9, 19, 0))
+    check_fp8_attention(CS_ATTENTION, MODEL_128, causal, True, CUDA)
+    # On CPU the recipe itself is refused first (check_recipe); nothing asks the device here.
+    check_fp8_attention(CS_ATTENTION, MODEL_64, causal, True, CPU)

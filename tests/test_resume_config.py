@@ -75,6 +75,7 @@ def test_harmless_fields_resume_without_a_word():
         ("data.shuffle_seed=3", "data.shuffle_seed", 0, 3),
         ("model.rope_theta=10000.0", "model.rope_theta", 500000.0, 10000.0),
         ("recipe=fp8_cs", "recipe.name", "bf16", "fp8_cs"),
+        ("recipe.fp8_attention=true", "recipe.fp8_attention", False, True),
         ("parallel.param_dtype=fp32", "parallel.param_dtype", "bf16", "fp32"),
         ("train.steps=600", "train.steps", 300, 600),  # compared as the schedule's length
         ("optim.schedule_steps=600", "optim.schedule_steps", 300, 600),
