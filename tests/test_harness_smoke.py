@@ -401,7 +401,7 @@ def test_suite_sh_runs_modules_that_take_its_flags(capsys):
     harnesses = ["ac_layouts", "kill_save", "matrix", "multitier", "parity", "reshard"]
     harnesses += ["resume", "scale"]
     tools = ["bench_checkpoint", "bench_determinism", "bench_recipes", "bench_step"]
-    tools += ["recipe_switch_demo"]
+    tools += ["recipe_switch_demo", "compare_runs", "convert_hf", "tt_metrics"]
     wanted = {f"tests.harness.{h}" for h in harnesses} | {f"tools.{t}" for t in tools}
     assert wanted <= set(modules), sorted(wanted - set(modules))
     missing = []

@@ -17,6 +17,14 @@ each run's first differing step with both values. A run directory whose recorded
 GPU without `train.deterministic` gets one line saying its differences from another run are
 expected noise, with the tolerance used.
 
+`--peer-bounds` checks a run against a peer trainer's (the first run; docs/PEER_CURVE.md) on
+the loss, with the bounds of issue 49: the step-1 losses within 1e-3 relative (the same
+weights and first batch; `--different-batches`: reported, not checked), the means of the last
+50 common steps within 1% (or within the spread of further reference runs given after the
+second: the largest relative difference of their last-50 means from the first's, when that is
+larger), and the 20-step trailing means (`moving_average`, as the plot draws them) within 3%
+at every common step. It prints a table and exits 1 when a bound is exceeded.
+
 `--plot FILE` also writes a PNG: per metric, the curves and each run minus the reference.
 `--smooth N` draws each curve as the trailing moving average of its last N logged points
 (the mean of points i-N+1..i; fewer at the start); the report always uses the raw values.
@@ -31,7 +39,8 @@ A run is any of:
   - `entity/project/run_id` of an online wandb run (full history through wandb.Api).
 
 Exit status: 0 when the runs agree (or when no check was asked for), 1 when `--assert-equal`,
-`--exact` or `--rtol/--atol` was given and a metric differs beyond tolerance on a common step, or the
+`--exact` or `--rtol/--atol` was given and a metric differs beyond tolerance on a common step,
+when `--peer-bounds` was given and a bound is exceeded, or the
 runs share no step for it (a comparison that compares nothing does not pass), or
 `--same-steps` was given and the step sets differ; 2 for bad input (a path that is not a
 run, a metric no run logged, `--x tokens` on a run without tokens_seen, `--plot` without
@@ -45,8 +54,11 @@ The reading and the comparison are the library module runlog.py (`load_run`, `co
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # Runs as a script (`python tools/compare_runs.py`): the repository root holds runlog.py.
@@ -178,6 +190,117 @@ def plot(
 
 
 # --------------------------------------------------------------------------------------
+# Peer bounds (--peer-bounds)
+
+#: Issue 49's bounds: step 1, the mean of the last PEER_TAIL steps, the PEER_WINDOW-step
+#: trailing means.
+PEER_STEP1_RTOL, PEER_TAIL_RTOL, PEER_WINDOW_RTOL = 1e-3, 0.01, 0.03
+PEER_TAIL, PEER_WINDOW = 50, 20
+
+
+@dataclass
+class PeerRow:
+    target: str
+    value: float
+    bound: float
+    detail: str
+    checked: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.bound
+
+
+def _rel(a: float, b: float) -> float:
+    """|b - a| / |a|: the relative difference of b from the reference a (inf where either is
+    not finite, or a is 0 and b is not)."""
+    if a == b and math.isfinite(a):
+        return 0.0
+    rel = abs(b - a) / abs(a) if a != 0 else math.inf
+    return rel if math.isfinite(rel) else math.inf
+
+
+def _curve(run: Run, steps: Sequence[int], metric: str) -> list[float]:
+    return [metric_value(run[s], metric) for s in steps]
+
+
+def peer_bounds(
+    reference: Run,
+    other: Run,
+    extra_references: Sequence[Run] = (),
+    *,
+    metric: str = "loss",
+    tail: int = PEER_TAIL,
+    window: int = PEER_WINDOW,
+    same_first_batch: bool = True,
+) -> list[PeerRow]:
+    """The three rows of `--peer-bounds` for `other` against `reference`, on their common
+    steps (module docstring). extra_references: further runs of the reference trainer (other
+    data seeds); the spread of their last-`tail` means around the reference's widens the
+    tail bound when it is larger than PEER_TAIL_RTOL. Raises CompareError when the runs share
+    no step."""
+    steps = sorted(steps_with(reference, metric) & steps_with(other, metric))
+    if not steps:
+        raise CompareError(f"--peer-bounds: the runs share no step with {metric}")
+    ref, oth = _curve(reference, steps, metric), _curve(other, steps, metric)
+    rows = []
+    first = steps[0]
+    rows.append(
+        PeerRow(
+            f"step {first}: relative difference"
+            + ("" if same_first_batch else " (different batches: not checked)"),
+            _rel(ref[0], oth[0]),
+            PEER_STEP1_RTOL,
+            f"{oth[0]:.5f} vs {ref[0]:.5f}",
+            checked=same_first_batch,
+        )
+    )
+    n = min(tail, len(steps))
+    mean_ref, mean_oth = statistics.fmean(ref[-n:]), statistics.fmean(oth[-n:])
+    spread, bound = 0.0, PEER_TAIL_RTOL
+    for extra in extra_references:
+        extra_steps = sorted(steps_with(reference, metric) & steps_with(extra, metric))[-tail:]
+        if not extra_steps:
+            raise CompareError("--peer-bounds: a further reference run shares no step")
+        a = statistics.fmean(_curve(reference, extra_steps, metric))
+        spread = max(spread, _rel(a, statistics.fmean(_curve(extra, extra_steps, metric))))
+    bound = max(bound, spread)
+    spread_note = f"; the references' spread {spread:.2%}" if extra_references else ""
+    rows.append(
+        PeerRow(
+            f"mean of the last {n} common steps: relative difference",
+            _rel(mean_ref, mean_oth),
+            bound,
+            f"{mean_oth:.5f} vs {mean_ref:.5f} (steps {steps[-n]}-{steps[-1]}){spread_note}",
+        )
+    )
+    smooth_ref, smooth_oth = moving_average(ref, window), moving_average(oth, window)
+    worst, at = max((_rel(a, b), s) for a, b, s in zip(smooth_ref, smooth_oth, steps))
+    i = steps.index(at)
+    rows.append(
+        PeerRow(
+            f"{window}-step trailing means: largest relative difference",
+            worst,
+            PEER_WINDOW_RTOL,
+            f"at step {at}: {smooth_oth[i]:.5f} vs {smooth_ref[i]:.5f} ({len(steps)} common steps)",
+        )
+    )
+    return rows
+
+
+def format_peer_rows(rows: Sequence[PeerRow], reference: str, other: str, metric: str) -> str:
+    lines = [
+        f"peer bounds on {metric}: {other} against {reference}",
+        "| target | value | bound | result | detail |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        result = ("ok" if r.ok else "EXCEEDED") if r.checked else "(not checked)"
+        lines.append(f"| {r.target} | {r.value:.3e} | {r.bound:.1e} | {result} | {r.detail} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
 # Command line
 
 
@@ -277,6 +400,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--x", choices=("step", "tokens"), default="step", help="plot: x axis (tokens_seen)"
     )
+    parser.add_argument(
+        "--peer-bounds",
+        action="store_true",
+        help="check the second run's loss against the first's (a peer trainer): step 1 within "
+        "1e-3, the last-50-step means within 1%% (or the spread of further reference runs "
+        "given after the second), the 20-step trailing means within 3%%",
+    )
+    parser.add_argument(
+        "--different-batches",
+        action="store_true",
+        help="with --peer-bounds: the runs' first batches differ, so step 1 is not checked",
+    )
     # Earlier versions wrote a PNG unless told not to; the flag is still accepted.
     parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -288,6 +423,10 @@ def _args_problem(args) -> str | None:
     tolerances = args.rtol is not None or args.atol is not None
     if (args.assert_equal or args.exact) and tolerances:
         return "use either --assert-equal/--exact or --rtol/--atol"
+    if args.peer_bounds and (args.assert_equal or args.exact or tolerances or args.same_steps):
+        return "--peer-bounds is a check of its own: drop --assert-equal/--exact/--rtol/--atol"
+    if args.different_batches and not args.peer_bounds:
+        return "--different-batches goes with --peer-bounds"
     if args.exact:
         args.assert_equal = args.same_steps = True
     if len(args.runs) < 2:
@@ -332,12 +471,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, run in runs.items():
             for step, to in recipe_switches(run).items():
                 print(f"{label}: recipe switch after step {step} ({to})")
+        peer_ok = True
+        if args.peer_bounds:
+            labels = list(runs)
+            rows = peer_bounds(
+                runs[labels[0]],
+                runs[labels[1]],
+                [runs[label] for label in labels[2:]],
+                same_first_batch=not args.different_batches,
+            )
+            print(format_peer_rows(rows, labels[0], labels[1], "loss"))
+            peer_ok = all(r.ok for r in rows if r.checked)
         if args.plot:
             path = plot(runs, metrics, args.plot, smooth=args.smooth, logy=args.logy, x=args.x)
             print(f"plot: {path}")
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not peer_ok:
+        print("FAIL: a peer bound is exceeded (see above)")
+        return 1
+    if args.peer_bounds:
+        print("OK: within the peer bounds")
     checking = args.assert_equal or tolerances
     if checking and not report.ok:
         print("FAIL: runs differ (see above)")

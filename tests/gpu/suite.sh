@@ -26,7 +26,15 @@
 #                                         # (+ reshard_after_forward=false); two lanes side by side on 4 GPUs
 #   bash tests/gpu/suite.sh cp8b          # 4 GPUs: llama3_8b causal, seq 32k with cp=4 and cp=2 x FSDP 2, bf16 and FP8,
 #                                         # against torchtitan v0.2.2 (compiled, its context parallelism) in one call,
-#                                         # then 8k tokens per GPU at cp=1/2/4 (CP8B_SEQS, CP8B_CPS, CP8B_RECIPES, CP8B_AC)
+#                                         # FP8 also with FP8 attention, then 8k tokens per GPU at cp=1/2/4
+#                                         # (CP8B_SEQS, CP8B_CPS, CP8B_RECIPES, CP8B_AC, CP8B_FP8_ATTENTION=0|1)
+#   bash tests/gpu/suite.sh peercurve     # 2 or 4 GPUs: llama3_1b FSDP over 2 from the same HF weights as torchtitan
+#                                         # v0.2.2 (exported once by tools/convert_hf.py), same text, tokenizer and
+#                                         # batches, 300 steps each (side by side on 4 GPUs), then the bounds table
+#                                         # and plot (docs/PEER_CURVE.md); PEERCURVE_CASES="bf16 fp8 bf16:32768:2"
+#                                         # (recipe[:seq[:cp]]), PEERCURVE_STEPS, PEERCURVE_ORDER=same|own,
+#                                         # PEERCURVE_SPREAD=1 (a second torchtitan run on other batches),
+#                                         # PEERCURVE_REUSE=1 (keep an earlier call's export on a warm machine)
 #   bash tests/gpu/suite.sh levers        # 2 GPUs: llama3_8b FSDP seq 8192, global batch 128 (accumulation): recipes x
 #                                         # recomputation, then one lever at a time (LEVER_CASES="case ..." for a subset)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
@@ -448,7 +456,7 @@ PYEOF
 cp8b() {
     stage "llama3_8b on 4 GPUs, causal attention, context parallelism: torchtitan (compiled) and this recipe, one call"
     peers_ready cp8b 4 docs/CONTEXT_PARALLEL.md || return
-    local ac=${CP8B_AC:-none} seq cp recipe gb tt_args ours eager=""
+    local ac=${CP8B_AC:-none} seq cp recipe gb tt_args ours eager="" attention cases
     # torchtitan's trainer for one row: name, then its extra flags (seq, cp, gb, ac, tt_args
     # from the loop below).
     cp8b_peer() {
@@ -474,10 +482,16 @@ cp8b() {
                     grep -q '"oom": true' <(tail -1 "$OUT/cp8b_torchtitan.jsonl") || eager=-eager
                 fi
                 [[ -n $eager ]] && { cp8b_peer "tt-$recipe-$seq-cp$cp$eager" || status=1; }
-                timeout 200 "$PY" tools/bench_step.py --nproc 4 --seq "$seq" --global-batch "$gb" --steps 6 \
-                    --warmup 2 --case "llama3_8b:fsdp:$ours:$ac:1:causal@parallel.cp=$cp@model.max_seq_len=$seq" \
-                    --json "$OUT/cp8b_ours.json" >> "$OUT/cp8b_ours.log" 2>&1 || status=1
-                tail -1 "$OUT/cp8b_ours.log"
+                # FP8: a second row with FP8 attention (recipe.fp8_attention), unless
+                # CP8B_FP8_ATTENTION=0.
+                cases=("")
+                [[ $recipe == fp8 && ${CP8B_FP8_ATTENTION:-1} == 1 ]] && cases+=("@recipe.fp8_attention=true")
+                for attention in "${cases[@]}"; do
+                    timeout 200 "$PY" tools/bench_step.py --nproc 4 --seq "$seq" --global-batch "$gb" --steps 6 \
+                        --warmup 2 --case "llama3_8b:fsdp:$ours:$ac:1:causal@parallel.cp=$cp@model.max_seq_len=$seq$attention" \
+                        --json "$OUT/cp8b_ours.json" >> "$OUT/cp8b_ours.log" 2>&1 || status=1
+                    tail -1 "$OUT/cp8b_ours.log"
+                done
             done
         done
     done
@@ -507,6 +521,136 @@ for path in sys.argv[1:]:
         peak = r.get("peak_gib", r.get("peak_alloc_gib_run"))
         print(f"| {name} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {peak} |")
 PYEOF
+}
+
+# The peer curve (docs/PEER_CURVE.md): this recipe and torchtitan trained from the same
+# Hugging Face weights on the same text, tokenizer and batches, PEERCURVE_STEPS steps each.
+# PC_* are set by peercurve() below.
+# shellcheck disable=SC2329
+pc_ours() {  # devices name recipe seq cp gb: this recipe's train.py, FSDP over 2 GPUs
+    local ours=(recipe=bf16)
+    [[ $3 == fp8 ]] && ours=(recipe=fp8_cs recipe.quantized_init=true)
+    CUDA_VISIBLE_DEVICES=$1 timeout "$PC_TIMEOUT" torchrun --standalone --nproc_per_node=2 train.py \
+        "${PC_COMMON[@]}" "${ours[@]}" data.seq_len="$4" parallel.cp="$5" train.global_batch_size="$6" \
+        optim.lr="$PC_LR" train.steps="$PC_STEPS" train.log_every=1 model.init_from="$PC_ROOT/hf" checkpoint=none \
+        run.name="ours-$2" > "$OUT/peercurve_$2.ours.log" 2>&1
+}
+
+# shellcheck disable=SC2329
+pc_tt() {  # devices name recipe seq cp gb: torchtitan's trainer (eager), FSDP over 2 GPUs
+    local spec=llama3_same_order tt_args=()
+    [[ $PC_ORDER == own ]] && spec=llama3
+    [[ $3 == fp8 ]] && tt_args=("${TT_FP8[@]}")
+    # Its assets (tokenizer, c4_test) are relative to /tmp/tt; tools/ holds the custom import
+    # (tt_peercurve: the 1B flavor through .peers/tt_ext, and this recipe's sample order).
+    (cd /tmp/tt && CUDA_VISIBLE_DEVICES=$1 PYTORCH_ALLOC_CONF=expandable_segments:True \
+        PYTHONPATH="$PC_REPO/tools:$PC_REPO/.peers:/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout "$PC_TIMEOUT" torchrun --standalone --nproc_per_node=2 --local-ranks-filter 0 \
+        --role rank --tee 3 -m torchtitan.train --job.config_file "$PC_REPO/.peers/tt_llama3.toml" \
+        --job.dump_folder "$PC_ROOT/tt-$2" --experimental.custom_import tt_peercurve \
+        --model.name "$spec" --model.flavor 1B --training.seq_len "$4" \
+        --training.local_batch_size $(($6 * $5 / 2)) --training.global_batch_size "$6" \
+        --training.steps "$PC_STEPS" --training.max_norm 1.0 --training.dataset c4_test \
+        --parallelism.context_parallel_degree "$5" --activation_checkpoint.mode none \
+        --optimizer.name AdamW --optimizer.lr "$PC_LR" --optimizer.beta1 0.9 --optimizer.beta2 0.95 \
+        --optimizer.eps 1e-8 --optimizer.weight_decay "$PC_WD" --lr_scheduler.warmup_steps "$PC_WARMUP" \
+        --lr_scheduler.decay_type cosine --lr_scheduler.min_lr_factor "$PC_MIN_LR" \
+        --metrics.log_freq 1 --checkpoint.enable --checkpoint.load_only \
+        --checkpoint.initial_load_path "$PC_ROOT/hf" --checkpoint.initial_load_in_hf \
+        "${tt_args[@]}") > "$OUT/peercurve_$2.tt.log" 2>&1
+}
+
+# shellcheck disable=SC2329
+pc_case() {  # tt-devices ours-devices case: both trainers (side by side when the devices
+    # differ), then the metrics, the bounds table and the plot
+    local recipe seq cp gb name rc_tt=0 rc_ours=0 pid
+    IFS=: read -r recipe seq cp <<< "$3"
+    seq=${seq:-4096} cp=${cp:-1}
+    gb=$((PC_TOKENS / seq))
+    name=$recipe-$seq-cp$cp
+    if [[ $recipe != bf16 && $recipe != fp8 ]] || ((gb < 1 || gb * cp % 2)); then
+        echo "peercurve: case $3: recipe bf16|fp8, and $PC_TOKENS tokens a step must fill whole rows per rank"
+        status=1; return
+    fi
+    echo "--- $name: global batch $gb x seq $seq, cp=$cp, $PC_STEPS steps (torchtitan on GPUs $1, ours on $2)"
+    if [[ $1 == "$2" ]]; then
+        pc_tt "$1" "$name" "$recipe" "$seq" "$cp" "$gb" || rc_tt=$?
+        pc_ours "$2" "$name" "$recipe" "$seq" "$cp" "$gb" || rc_ours=$?
+    else
+        pc_tt "$1" "$name" "$recipe" "$seq" "$cp" "$gb" &
+        pid=$!
+        pc_ours "$2" "$name" "$recipe" "$seq" "$cp" "$gb" || rc_ours=$?
+        wait "$pid" || rc_tt=$?
+    fi
+    echo "torchtitan exit $rc_tt, ours exit $rc_ours (logs: $OUT/peercurve_$name.{tt,ours}.log)"
+    ((rc_tt == 0 && rc_ours == 0)) || status=1
+    cp "$PC_ROOT/runs/ours-$name/metrics.jsonl" "$OUT/peercurve_$name.ours.jsonl" 2>/dev/null
+    "$PY" tools/tt_metrics.py "$OUT/peercurve_$name.tt.log" "$OUT/peercurve_$name.tt.jsonl" \
+        --tokens-per-step "$PC_TOKENS" --world-size 2 --lr "$PC_LR" --warmup-steps "$PC_WARMUP" \
+        --total-steps "$PC_STEPS" --decay-type cosine --min-lr-factor "$PC_MIN_LR" || { status=1; return; }
+    local order=() spread=()
+    [[ $PC_ORDER == own ]] && order=(--different-batches)
+    # PEERCURVE_SPREAD=1: torchtitan once more on other batches (its order begun half a pass
+    # later); the two torchtitan runs' distance widens the last-50-steps bound when larger.
+    if [[ ${PEERCURVE_SPREAD:-0} == 1 && $PC_ORDER == same ]]; then
+        TT_PEERCURVE_SHIFT=0.5 pc_tt "$1" "$name-shifted" "$recipe" "$seq" "$cp" "$gb" || status=1
+        "$PY" tools/tt_metrics.py "$OUT/peercurve_$name-shifted.tt.log" \
+            "$OUT/peercurve_$name-shifted.tt.jsonl" --tokens-per-step "$PC_TOKENS" --world-size 2 \
+            && spread=("$OUT/peercurve_$name-shifted.tt.jsonl")
+    fi
+    "$PY" tools/compare_runs.py "$OUT/peercurve_$name.tt.jsonl" "$OUT/peercurve_$name.ours.jsonl" \
+        "${spread[@]}" --metrics loss,grad_norm --peer-bounds "${order[@]}" \
+        --plot "$OUT/peercurve_$name.png" --smooth 20 2>&1 | tee "$OUT/peercurve_$name.bounds.txt" || status=1
+    # The schedules: torchtitan's formula (tools/tt_metrics.py) against the lr train.py logged.
+    "$PY" tools/compare_runs.py "$OUT/peercurve_$name.tt.jsonl" "$OUT/peercurve_$name.ours.jsonl" \
+        --metrics lr --rtol 1e-6 2>&1 | tail -2 | tee -a "$OUT/peercurve_$name.bounds.txt" || status=1
+}
+
+# shellcheck disable=SC2329
+peercurve() {
+    stage "peer curve: llama3_1b (untied, RoPE factor 8) from the same HF weights as torchtitan, ${PEERCURVE_STEPS:-300} steps"
+    peers_ready peercurve 2 docs/PEER_CURVE.md || return
+    # NVLink multicast off (NCCL NVLS, symmetric memory), as the multi-GPU tests run.
+    local -x NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    PC_REPO=$PWD PC_ROOT=${PEERCURVE_ROOT:-/tmp/peercurve} PC_STEPS=${PEERCURVE_STEPS:-300}
+    PC_TOKENS=${PEERCURVE_TOKENS:-32768} PC_LR=${PEERCURVE_LR:-3e-4} PC_WARMUP=${PEERCURVE_WARMUP:-30}
+    PC_MIN_LR=${PEERCURVE_MIN_LR:-0.1} PC_WD=${PEERCURVE_WD:-0.1} PC_ORDER=${PEERCURVE_ORDER:-same}
+    PC_TIMEOUT=${PEERCURVE_TIMEOUT:-420}
+    # Both sides: the Llama 3.2 1B shape as torchtitan builds it (untied head, RoPE scaling
+    # factor 8), its test tokenizer and c4_test text in file order, causal attention, AdamW
+    # with its betas/eps, linear warmup then cosine to lr x min ratio, clipping at 1.0.
+    PC_COMMON=(model=llama3_1b model.tie_embeddings=false model.rope_scaling.factor=8.0
+        data=hf data.path=/tmp/tt/tests/assets/c4_test/data.json data.tokenizer=/tmp/tt/tests/assets/tokenizer
+        data.shuffle=false data.document_mask=false data.cache_dir="$PC_ROOT/cache" run.root="$PC_ROOT/runs"
+        optim.beta1=0.9 optim.beta2=0.95 optim.eps=1e-8 optim.grad_clip=1.0 optim.weight_decay="$PC_WD"
+        optim.warmup_steps="$PC_WARMUP" optim.min_lr_ratio="$PC_MIN_LR")
+    local t0=$SECONDS cases=() c
+    if [[ ${PEERCURVE_REUSE:-0} == 1 && -f $PC_ROOT/hf/config.json ]]; then
+        echo "initial weights: $PC_ROOT/hf of an earlier call on this machine (PEERCURVE_REUSE=1)"
+    else
+        # The initial weights, once: this recipe's seeded init through one step at lr 1e-9
+        # (which leaves them as they were, to fp32 rounding), its checkpoint exported in fp32.
+        rm -rf "$PC_ROOT"
+        mkdir -p "$PC_ROOT"
+        timeout 300 torchrun --standalone --nproc_per_node=2 train.py "${PC_COMMON[@]}" recipe=bf16 \
+            optim.lr=1e-9 data.seq_len=1024 train.global_batch_size=2 train.steps=1 run.name=init \
+            > "$OUT/peercurve_init.log" 2>&1 \
+            && "$PY" tools/convert_hf.py export "$PC_ROOT/runs/init" "$PC_ROOT/hf" --dtype fp32 \
+                --tokenizer /tmp/tt/tests/assets/tokenizer >> "$OUT/peercurve_init.log" 2>&1
+        if [[ ! -f $PC_ROOT/hf/config.json ]]; then
+            echo "peercurve: the initial weights were not exported (tail of $OUT/peercurve_init.log):"
+            tail -5 "$OUT/peercurve_init.log"; status=1; return
+        fi
+        echo "initial weights in $PC_ROOT/hf after $((SECONDS - t0)) s"
+    fi
+    # Fresh run directories and torchtitan dump folders (a checkpoint folder there would be
+    # loaded instead of the HF weights).
+    rm -rf "$PC_ROOT/runs" "$PC_ROOT"/tt-*
+    read -r -a cases <<< "${PEERCURVE_CASES:-bf16}"
+    for c in "${cases[@]}"; do
+        if [[ $NGPU -ge 4 ]]; then pc_case 0,1 2,3 "$c"; else pc_case 0,1 0,1 "$c"; fi
+        echo "after $((SECONDS - t0)) s"
+    done
 }
 
 # shellcheck disable=SC2329
@@ -740,8 +884,8 @@ multitier() {
 for what in "$@"; do
     case "$what" in
         single) tests; recipes; resume; save ;;
-        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|peer128|cp8b|multitier) "$what" ;;
-        *) echo "usage: $0 single|multi|multitier|ac|peer8b|peer128|cp8b|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
+        tests|recipes|resume|save|step|ckpt|multi|ac|matrix|scale|switch|determinism|cp2|cpseq|levers|peer8b|peer128|cp8b|peercurve|multitier) "$what" ;;
+        *) echo "usage: $0 single|multi|multitier|ac|peer8b|peer128|cp8b|peercurve|matrix|scale|tests|recipes|resume|save|step|ckpt|switch|determinism|cp2|cpseq|levers ..." >&2; exit 2 ;;
     esac
 done
 exit $status

@@ -1,0 +1,465 @@
+"""The peer curve's CPU side (docs/PEER_CURVE.md; tests/gpu/suite.sh peercurve runs it on GPUs):
+
+- tools/tt_metrics.py reads torchtitan's step lines, written here in its exact format (the
+  f-string of torchtitan v0.2.2's components/metrics.py, its colour codes, its logging
+  prefix and torchrun's rank prefix), into records tools/compare_runs.py reads;
+- its restatement of torchtitan's warmup-stable-decay schedule gives, with the mapping the
+  stage uses, this recipe's schedule (optim.lr_lambda) at every step;
+- compare_runs --peer-bounds on synthetic curves, against values computed here another way;
+- tools/tt_peercurve.py (torchtitan's loader replaced) deals out the same rows as this
+  recipe's loader (data/loader.py PackedLoader) at every rank and step, across passes;
+- the stage's last steps on canned outputs: torchtitan's log converted, the bounds table,
+  the lr check and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from config import OptimConfig
+from data.loader import PackedLoader
+from optim import build_scheduler, lr_lambda
+from runlog import load_run
+from tools import compare_runs, tt_metrics
+from tools.tt_peercurve import SameOrderDataset, pack_documents, rank_sample_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# torchtitan v0.2.2's Color (torchtitan/tools/utils.py); NoColor is all empty strings.
+COLOR = dict(
+    red="\033[31m",
+    green="\033[32m",
+    orange="\033[38;2;180;60;0m",
+    turquoise="\033[38;2;54;234;195m",
+    blue="\033[34m",
+    cyan="\033[36m",
+    magenta="\033[35m",
+    yellow="\033[33m",
+    reset="\033[39m",
+)
+NO_COLOR = dict.fromkeys(COLOR, "")
+
+
+def tt_message(step, loss, grad_norm, mem_gib, mem_pct, tps, tflops, mfu, color=True):
+    """MetricsProcessor.log's console message, as torchtitan v0.2.2 formats it."""
+    c = COLOR if color else NO_COLOR
+    return (
+        f"{c['red']}step: {step:2}  "
+        f"{c['green']}loss: {loss:8.5f}  "
+        f"{c['orange']}grad_norm: {grad_norm:7.4f}  "
+        f"{c['turquoise']}memory: {mem_gib:5.2f}GiB"
+        f"({mem_pct:.2f}%)  "
+        f"{c['blue']}tps: {round(tps):,}  "
+        f"{c['cyan']}tflops: {tflops:,.2f}  "
+        f"{c['magenta']}mfu: {mfu:.2f}%{c['reset']}"
+    )
+
+
+def tt_validation(step, loss, mem_gib, mem_pct, tps, color=True):
+    c = COLOR if color else NO_COLOR
+    return (
+        f"{c['yellow']}validate step: {step:2}  "
+        f"{c['green']}loss: {loss:7.4f}  "
+        f"{c['turquoise']}memory: {mem_gib:5.2f}GiB"
+        f"({mem_pct:.2f}%)  "
+        f"{c['blue']}tps: {round(tps):,}{c['reset']}"
+    )
+
+
+def logged(message: str, rank: int | None = 0, second: int = 1) -> str:
+    """torchtitan's logging format ('[titan] %(asctime)s - %(name)s - %(levelname)s -
+    %(message)s'), behind torchrun's --tee --role rank prefix."""
+    line = f"[titan] 2026-11-27 10:00:{second:02d},123 - root - INFO - {message}"
+    return line if rank is None else f"[rank{rank}]:{line}"
+
+
+# --------------------------------------------------------------------------------------
+# tools/tt_metrics.py
+
+
+def canned_log(color: bool = True) -> str:
+    lines = [
+        "W1127 10:00:00.000000 123 torch/distributed/run.py:792] Setting OMP_NUM_THREADS",
+        logged("Starting job: Llama 3 throughput vs te-llama"),
+        logged(
+            f"{COLOR['blue']}Model llama3_same_order 1B {COLOR['red']}size: 1,498,482,688 "
+            f"total parameters{COLOR['reset']}"
+        ),
+        logged("Training starts at step 1"),
+        # rank 1 printed step 1 first (no --local-ranks-filter): the first line is kept
+        logged(tt_message(1, 11.77561, 5.4321, 40.12, 50.81, 9870, 88.5, 8.95, color), rank=1),
+        logged(tt_message(1, 11.77561, 5.4321, 41.5, 52.55, 10234, 91.73, 9.27, color)),
+        logged(tt_message(2, 11.20937, 12.0456, 55.25, 69.95, 123456.4, 1234.567, 124.8, color)),
+        logged("Dataset c4_test is being re-looped", second=2).replace("INFO", "WARNING"),
+        logged(tt_validation(2, 10.5, 55.25, 69.95, 5000, color)),
+        logged(tt_message(10, 6.5, 0.98766, 55.25, 69.95, 40000, 360.0, 36.4, color), second=5),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("color", [True, False], ids=["colour", "no-colour"])
+def test_parse_reads_each_step_line_once(color):
+    parsed = tt_metrics.parse_log(canned_log(color))
+    assert [p["step"] for p in parsed] == [1, 2, 10]  # the validation line is not a step
+    first, second, tenth = parsed
+    assert first == {
+        "step": 1,
+        "loss": 11.77561,
+        "grad_norm": 5.4321,
+        "memory_gib": 40.12,
+        "memory_pct": 50.81,
+        "tps": 9870.0,
+        "tflops": 88.5,
+        "mfu_pct": 8.95,
+    }
+    assert second["tps"] == 123456.0 and second["tflops"] == 1234.57  # thousands separators
+    assert second["grad_norm"] == 12.0456 and second["mfu_pct"] == 124.8
+    assert tenth["loss"] == 6.5 and tenth["grad_norm"] == 0.9877
+    # --rank 0: rank 1's line for step 1 is not read
+    assert tt_metrics.parse_log(canned_log(color), rank=0)[0]["tps"] == 10234.0
+    assert [p["step"] for p in tt_metrics.parse_log(canned_log(color), rank=1)] == [1]
+
+
+def test_parse_without_prefixes_and_with_nan():
+    text = tt_message(3, float("nan"), float("inf"), 1.0, 1.0, 10, 1.0, 1.0) + "\n"
+    (rec,) = tt_metrics.parse_log(text)
+    assert rec["step"] == 3 and math.isnan(rec["loss"]) and rec["grad_norm"] == math.inf
+
+
+def test_cli_writes_records_compare_runs_reads(tmp_path, capsys):
+    log, out = tmp_path / "tt.log", tmp_path / "tt" / "metrics.jsonl"
+    log.write_text(canned_log())
+    args = [log, out, "--tokens-per-step", 32768, "--world-size", 2]
+    args += ["--lr", 3e-4, "--warmup-steps", 4, "--total-steps", 10]
+    args += ["--decay-type", "cosine", "--min-lr-factor", 0.1]
+    assert tt_metrics.main([str(a) for a in args]) == 0
+    assert "3 steps (1..10)" in capsys.readouterr().out
+    run = load_run(out)
+    assert sorted(run) == [1, 2, 10]
+    one = run[1]
+    assert one["loss"] == 11.77561 and one["grad_norm"] == 5.4321
+    assert one["tokens_seen"] == 32768 and run[10]["tokens_seen"] == 327680
+    assert one["tokens_per_s_per_device"] == 9870 and one["tokens_per_s"] == 19740
+    assert one["step_time_s"] == pytest.approx(32768 / 19740)
+    assert one["mem_reserved_gb"] == 40.12 and "mem_gb" not in one
+    assert one["mfu"] == pytest.approx(0.0895) and one["tflops"] == 88.5
+    # the lr in force after the step, as train.py records it: step 1 of warmup 4 -> 2/4
+    assert one["lr"] == pytest.approx(3e-4 * 2 / 4)
+    assert run[10]["lr"] == pytest.approx(3e-5)  # the end of the cosine: lr x min_lr_factor
+    # no lr or tokens without their flags
+    assert tt_metrics.main([str(log), str(out)]) == 0
+    assert set(load_run(out)[2]) == {
+        "loss",
+        "grad_norm",
+        "tokens_per_s_per_device",
+        "mem_reserved_gb",
+        "tflops",
+        "mfu",
+    }
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    empty = tmp_path / "empty.log"
+    empty.write_text(logged("Training starts at step 1") + "\n")
+    out = str(tmp_path / "x.jsonl")
+    assert tt_metrics.main([str(empty), out]) == 2
+    assert "no torchtitan step line" in capsys.readouterr().err
+    assert tt_metrics.main([str(tmp_path / "missing.log"), out]) == 2
+    assert tt_metrics.main([str(empty), out, "--lr", "1e-3"]) == 2
+    assert "--total-steps" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# The schedule mapping: optim.* -> lr_scheduler.*
+
+
+def test_torchtitan_schedule_by_hand():
+    """tt_lr_factor against values worked out from torchtitan's definition: total 10, warmup
+    2 -> decay 8, one stable step."""
+    f = [tt_metrics.tt_lr_factor(c, warmup_steps=2, total_steps=10) for c in range(11)]
+    assert f[:3] == [0.5, 1.0, 1.0]
+    assert f[3:] == pytest.approx([7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8, 0.0])
+    sq = tt_metrics.tt_lr_factor(4, warmup_steps=2, total_steps=10, decay_type="sqrt")
+    assert sq == pytest.approx(1 - math.sqrt(2 / 8))
+    # WSD: decay_ratio 0.5 -> 5 decay steps, 4 stable (steps_done 2..5), then down to the floor
+    wsd = [
+        tt_metrics.tt_lr_factor(
+            c, warmup_steps=2, total_steps=10, decay_ratio=0.5, min_lr_factor=0.2
+        )
+        for c in range(11)
+    ]
+    assert wsd[:6] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert wsd[6:] == pytest.approx([0.2 + 0.8 * (1 - k / 5) for k in range(1, 6)])
+
+
+@pytest.mark.parametrize(
+    "warmup,total,min_ratio", [(30, 300, 0.1), (0, 50, 0.0), (10, 37, 0.25), (300, 300, 0.1)]
+)
+def test_stage_mapping_gives_this_recipes_schedule(warmup, total, min_ratio):
+    """optim.warmup_steps -> lr_scheduler.warmup_steps, optim.min_lr_ratio ->
+    lr_scheduler.min_lr_factor, cosine, lr_scheduler.total_steps = train.steps: the same
+    multiplier at every step."""
+    ours = lr_lambda(OptimConfig(warmup_steps=warmup, min_lr_ratio=min_ratio), total)
+    for c in range(total + 1):
+        theirs = tt_metrics.tt_lr_factor(
+            c,
+            warmup_steps=warmup,
+            total_steps=total,
+            decay_type="cosine",
+            min_lr_factor=min_ratio,
+        )
+        assert theirs == pytest.approx(ours(c), rel=1e-12, abs=1e-15), c
+
+
+# --------------------------------------------------------------------------------------
+# compare_runs --peer-bounds
+
+
+def curve(steps):
+    """A loss curve with step-to-step noise."""
+    return {s: 3.0 + 8.0 / (1 + 0.05 * s) + 0.05 * math.sin(1.7 * s) for s in steps}
+
+
+def write_metrics(path: Path, loss: dict[int, float]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in loss.items()))
+    return path
+
+
+def trailing_means(values: list[float], n: int) -> np.ndarray:
+    """The mean of the last n values at each point (fewer at the start), via cumulative sums."""
+    c = np.concatenate([[0.0], np.cumsum(values)])
+    i = np.arange(1, len(values) + 1)
+    lo = np.maximum(i - n, 0)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def perturbed(ref: dict[int, float]) -> dict[int, float]:
+    """ref x (1 + 2e-4) at step 1, a 10-step bump of +4% at steps 100-109, +0.6% over the
+    last 50 steps."""
+    out = {}
+    for s, v in ref.items():
+        e = 2e-4 if s == 1 else 0.0
+        e += 0.04 if 100 <= s < 110 else 0.0
+        e += 0.006 if s > 250 else 0.0
+        out[s] = v * (1 + e)
+    return out
+
+
+def test_peer_bounds_on_synthetic_curves():
+    steps = range(1, 301)
+    ref = curve(steps)
+    other = perturbed(ref)
+    a, b = [ref[s] for s in steps], [other[s] for s in steps]
+    rows = compare_runs.peer_bounds(
+        {s: {"loss": v} for s, v in ref.items()}, {s: {"loss": v} for s, v in other.items()}
+    )
+    step1, tail, window = rows
+    assert step1.value == pytest.approx(2e-4, rel=1e-9) and step1.ok and step1.checked
+    assert tail.value == pytest.approx(0.006, rel=1e-9) and tail.bound == 0.01 and tail.ok
+    # the bump: the 20-step means differ most where the window holds all 10 bumped steps
+    ma, mb = trailing_means(a, 20), trailing_means(b, 20)
+    rel = np.abs(mb - ma) / np.abs(ma)
+    assert window.value == pytest.approx(rel.max(), rel=1e-9)
+    assert 109 <= 1 + int(rel.argmax()) <= 119
+    assert 0.019 < window.value < 0.021 and window.ok  # about 10/20 of 4%
+    assert f"at step {1 + int(rel.argmax())}:" in window.detail
+
+
+def test_peer_bounds_exceeded_and_the_spread_of_further_references(tmp_path, capsys):
+    steps = range(1, 121)
+    ref = curve(steps)
+    tt = write_metrics(tmp_path / "tt.jsonl", ref)
+    # 1.5% above over the last 50 steps, and 5% above for 20 steps: two bounds exceeded
+    worse = {
+        s: v * (1 + (0.015 if s > 70 else 0) + (0.05 if 30 <= s < 50 else 0))
+        for s, v in ref.items()
+    }
+    ours = write_metrics(tmp_path / "ours.jsonl", worse)
+    assert compare_runs.main([str(tt), str(ours), "--peer-bounds"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "| mean of the last 50 common steps: relative difference | 1.500e-02 | 1.0e-02 | EXCEEDED"
+        in out
+    )
+    assert (
+        "| 20-step trailing means: largest relative difference | 5.000e-02 | 3.0e-02 | EXCEEDED"
+        in out
+    )
+    assert "FAIL: a peer bound is exceeded" in out
+    # a second torchtitan run 2% away over its last 50 steps widens the tail bound to 2%
+    tt2 = write_metrics(
+        tmp_path / "tt2.jsonl", {s: v * (1.02 if s > 70 else 1.0) for s, v in ref.items()}
+    )
+    rows = compare_runs.peer_bounds(load_run(tt), load_run(ours), [load_run(tt2)])
+    assert rows[1].bound == pytest.approx(0.02) and rows[1].ok
+    assert "the references' spread 2.00%" in rows[1].detail
+    assert not rows[2].ok
+
+
+def test_peer_bounds_step_one_and_its_options(tmp_path, capsys):
+    steps = range(1, 31)  # fewer than 50: the tail is every common step
+    ref = curve(steps)
+    tt = write_metrics(tmp_path / "tt.jsonl", ref)
+    ours = write_metrics(
+        tmp_path / "ours.jsonl", {s: v * (1.005 if s == 1 else 1) for s, v in ref.items()}
+    )
+    assert compare_runs.main([str(tt), str(ours), "--peer-bounds"]) == 1
+    assert (
+        "| step 1: relative difference | 5.000e-03 | 1.0e-03 | EXCEEDED" in capsys.readouterr().out
+    )
+    assert compare_runs.main([str(tt), str(ours), "--peer-bounds", "--different-batches"]) == 0
+    out = capsys.readouterr().out
+    assert "(different batches: not checked) | 5.000e-03 | 1.0e-03 | (not checked)" in out
+    assert "mean of the last 30 common steps" in out and "OK: within the peer bounds" in out
+    for bad in (["--rtol", "0.1"], ["--exact"]):
+        assert compare_runs.main([str(tt), str(ours), "--peer-bounds", *bad]) == 2
+    assert compare_runs.main([str(tt), str(ours), "--different-batches"]) == 2
+    assert "--different-batches goes with --peer-bounds" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# tools/tt_peercurve.py: torchtitan's loader replaced by this recipe's order
+
+
+@pytest.mark.parametrize("dp,global_batch,micro", [(1, 8, 4), (2, 8, 4), (2, 8, 2), (4, 4, 1)])
+def test_same_order_rows_are_this_recipes(dp, global_batch, micro):
+    seq = 15
+    tokens = np.arange(23 * (seq + 1) + 7, dtype=np.int64) * 7 % 1009  # 23 samples + a tail
+    samples = tokens[: 23 * (seq + 1)].reshape(23, seq + 1)
+    steps = 13  # past four passes of 23 samples, with batches straddling them
+    for rank in range(dp):
+        ours = PackedLoader(
+            tokens,
+            shuffle=False,
+            shuffle_seed=0,
+            seq_len=seq,
+            global_batch_size=global_batch,
+            dp_rank=rank,
+            dp_size=dp,
+            more_data_hint="",
+        )
+        dataset = SameOrderDataset(samples, rank=rank, dp=dp, global_batch=global_batch)
+        # torchtitan's loader is a StatefulDataLoader over the dataset with batch_size =
+        # training.local_batch_size; a step takes global / (dp x micro) of its batches.
+        theirs = iter(torch.utils.data.DataLoader(dataset, batch_size=micro))
+        for step in range(steps):
+            rows = ours.next_batch()
+            got = [next(theirs) for _ in range(global_batch // (dp * micro))]
+            inputs = torch.cat([x["input"] for x, _ in got])
+            labels = torch.cat([y for _, y in got])
+            assert torch.equal(inputs, rows[:, :-1]), (rank, step)
+            assert torch.equal(labels, rows[:, 1:]), (rank, step)
+        assert dataset.state_dict() == {"taken": steps * global_batch // dp}
+
+
+def test_same_order_resumes_and_shifts():
+    ids = rank_sample_ids(0, 12, rank=1, dp=2, global_batch=4, n_samples=5)
+    assert ids.tolist() == [2, 3, 1, 2, 0, 1, 4, 0, 3, 4, 2, 3]
+    shifted = rank_sample_ids(0, 12, rank=1, dp=2, global_batch=4, n_samples=5, shift=3)
+    assert shifted.tolist() == ((ids + 3) % 5).tolist()
+    samples = np.arange(5 * 4).reshape(5, 4)
+    a = SameOrderDataset(samples, rank=1, dp=2, global_batch=4)
+    it = iter(a)
+    first = [next(it)[1] for _ in range(7)]
+    b = SameOrderDataset(samples, rank=1, dp=2, global_batch=4)
+    b.load_state_dict({"taken": 3})
+    rest = iter(b)
+    assert all(torch.equal(next(rest)[1], y) for y in first[3:])
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        SameOrderDataset(samples, rank=0, dp=1, global_batch=6)
+    with pytest.raises(ValueError, match="not divisible"):
+        rank_sample_ids(0, 1, rank=0, dp=3, global_batch=4, n_samples=5)
+
+
+def test_packing_is_this_recipes():
+    """[BOS] + tokens + [EOS] per document (what torchtitan's tokenizer.encode(add_bos=True,
+    add_eos=True) gives), concatenated and cut as data/packing.py cuts its stream."""
+    import datasets
+
+    from data.packing import pack_dataset
+    from data.tokenizer import ByteTokenizer
+
+    texts = ["def f():\n    return 1\n", "", "x = [i * i for i in range(9)]\n" * 3, "é"]
+    tok = ByteTokenizer()
+    stream = pack_dataset(datasets.Dataset.from_dict({"text": texts}), tok, "text")
+    docs = [[tok.bos_id, *tok.encode(t), tok.eos_id] for t in texts]
+    for seq in (7, 16, 40):
+        n = len(stream) // (seq + 1)
+        expect = stream[: n * (seq + 1)].reshape(n, seq + 1)
+        assert np.array_equal(pack_documents(docs, seq), expect)
+
+
+# --------------------------------------------------------------------------------------
+# The stage's last steps on canned outputs (tests/gpu/suite.sh pc_case)
+
+
+def test_stage_tail_on_canned_outputs(tmp_path, capsys):
+    """torchtitan's log and train.py's metrics.jsonl of one case, 60 steps: tt_metrics with the
+    stage's flags, the bounds table (the same first batch: step 1 checked), the lr check at
+    rtol 1e-6 against the lr train.py logs (optim.build_scheduler, read after each step), and
+    the plot."""
+    steps, lr, warmup = 60, 3e-4, 6
+    ref = curve(range(1, steps + 1))
+    log = tmp_path / "peercurve_bf16-4096-cp1.tt.log"
+    log.write_text(
+        "".join(
+            logged(tt_message(s, ref[s], 1.0 / s, 40.0, 50.0, 40000, 360.0, 36.4)) + "\n"
+            for s in range(1, steps + 1)
+        )
+    )
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = build_scheduler(
+        opt, OptimConfig(lr=lr, warmup_steps=warmup, min_lr_ratio=0.1), steps
+    )
+    records = []
+    for s in range(1, steps + 1):
+        opt.step()
+        scheduler.step()
+        loss = round(ref[s], 5) * (1 + 3e-4 * math.cos(s))
+        records.append(
+            {"step": s, "loss": loss, "grad_norm": 1.0 / s, "lr": scheduler.get_last_lr()[0]}
+        )
+    ours = tmp_path / "peercurve_bf16-4096-cp1.ours.jsonl"
+    ours.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tt = tmp_path / "peercurve_bf16-4096-cp1.tt.jsonl"
+    flags = ["--tokens-per-step", "32768", "--world-size", "2", "--lr", str(lr)]
+    flags += ["--warmup-steps", str(warmup), "--total-steps", str(steps)]
+    flags += ["--decay-type", "cosine", "--min-lr-factor", "0.1"]
+    assert tt_metrics.main([str(log), str(tt), *flags]) == 0
+    png = tmp_path / "peercurve_bf16-4096-cp1.png"
+    bounds = [str(tt), str(ours), "--metrics", "loss,grad_norm", "--peer-bounds"]
+    assert compare_runs.main([*bounds, "--plot", str(png), "--smooth", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "peer bounds on loss:" in out and out.count("| ok |") == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert compare_runs.main([str(tt), str(ours), "--metrics", "lr", "--rtol", "1e-6"]) == 0
+    assert "OK: runs agree" in capsys.readouterr().out
+
+
+def test_the_stage_calls_these_tools():
+    """suite.sh's peercurve runs tt_metrics, compare_runs --peer-bounds and convert_hf, and
+    names torchtitan's spec of this order and the bundle's flags for the HF start."""
+    text = (ROOT / "tests" / "gpu" / "suite.sh").read_text()
+    body = text[text.index("pc_ours() {") : text.index("switch() {")]
+    for needle in (
+        "tools/tt_metrics.py",
+        "--peer-bounds",
+        "tools/convert_hf.py export",
+        "custom_import tt_peercurve",
+        "llama3_same_order",
+        "--checkpoint.initial_load_in_hf",
+        "model.init_from=",
+        "data.shuffle=false",
+        "data.document_mask=false",
+        "model.tie_embeddings=false",
+        "model.rope_scaling.factor=8.0",
+    ):
+        assert needle in body, needle
+    assert "|peercurve|" in text and "bash tests/gpu/suite.sh peercurve" in text
