@@ -31,7 +31,7 @@ from tools.tt_peercurve import SameOrderDataset, pack_documents, rank_sample_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# torchtitan v0.2.2's Color (torchtitan/tools/utils.py); NoColor is all empty strings.
+# torchtitan v0.2.2's Color class; its NoColor is all empty strings.
 COLOR = dict(
     red="\033[31m",
     green="\033[32m",

@@ -5,7 +5,7 @@
         --lr 3e-4 --warmup-steps 30 --total-steps 300 --decay-type cosine --min-lr-factor 0.1
     python tools/compare_runs.py tt.jsonl runs/ours --peer-bounds --plot cmp.png --smooth 20
 
-torchtitan (v0.2.2, torchtitan/components/metrics.py) prints one line per log step through
+torchtitan v0.2.2 (its metrics logger) prints one line per log step through
 Python logging, in colour unless `metrics.disable_color_printing`:
 
     [titan] 2026-11-27 10:00:01,234 - root - INFO - step:  5  loss:  9.87654  grad_norm:  1.2345
@@ -26,7 +26,7 @@ one record of the fields this repo's train.py writes, where they mean the same t
 
 It prints neither the learning rate nor the tokens seen. `--tokens-per-step` (global batch x
 sequence length) gives tokens_seen = step x that; `--lr` with the schedule flags gives lr
-from torchtitan's warmup-stable-decay formula (torchtitan/components/lr_scheduler.py),
+from torchtitan's warmup-stable-decay formula (its LR scheduler),
 restated in `tt_lr_factor` below, and recorded as this repo records it: the learning rate in
 force *after* the step (the next step's), so the two runs' lr columns compare like with like.
 
@@ -45,7 +45,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-#: Colour codes of torchtitan's `Color` (torchtitan/tools/utils.py), e.g. "\x1b[38;2;180;60;0m".
+#: Colour codes of torchtitan's `Color` class, e.g. "\x1b[38;2;180;60;0m".
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: torchrun's prefix of a rank's line under --tee: "[rank0]:", "[default1]:".
 RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*(\d+)\]:")

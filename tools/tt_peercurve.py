@@ -14,7 +14,7 @@ it looks up the train spec), this module
 
 Why: both trainers pack the same way (every document as [BOS] + tokens + [EOS], in file
 order, cut into samples of seq_len + 1 tokens), but they deal the samples out differently.
-torchtitan's loader (torchtitan/hf_datasets/text_datasets.py) splits the *documents* between
+torchtitan's own text loader splits the *documents* between
 the data-parallel ranks (rank r packs the r-th contiguous share of the file on its own) and
 carries the unfinished sample across the end of the file into the next pass. This recipe
 (data/loader.py, `data.shuffle=false`) packs the whole file into one stream, drops the tail
