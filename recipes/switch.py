@@ -65,6 +65,31 @@ def label(cfg: RecipeConfig) -> str:
     return text
 
 
+#: The on/off fields a switch entry may set, and the recipes that turn each off (with why it
+#: cannot be on there): switching to one of them sets the field false.
+_FLAGS_OFF = {
+    "quantized_init": {"bf16": "has no effect with name=bf16 (nothing is quantized)"},
+    "fp8_attention": {
+        "bf16": "has no effect with name=bf16 (nothing runs in FP8)",
+        "fp8_block": "is not available with name=fp8_block (TE 2.20 has no FP8 attention for "
+        "FP8 block scaling)",
+    },
+}
+
+
+def _flag_change(entry, i: int, name: str | None, flag: str) -> bool | None:
+    """What switch entry `i` (to recipe `name`, None: unchanged) sets `flag` to: False where
+    `name` turns it off (ConfigError if the entry asks for true there), the entry's value, or
+    None (unchanged)."""
+    value = _field(entry, flag)
+    why = _FLAGS_OFF[flag].get(name)
+    if why is not None:
+        if value:
+            raise ConfigError(f"recipe.switch[{i}]: {flag}=true {why}; drop {flag} from this entry")
+        return False
+    return None if value is None else bool(value)
+
+
 def resolve_switches(cfg: RecipeConfig, schedule_steps: int) -> list[Switch]:
     """The switches of `cfg.switch` in step order, each with the full recipe in force after it.
     Raises ConfigError (one line, naming the entry) for an entry that cannot be applied."""
@@ -82,35 +107,13 @@ def resolve_switches(cfg: RecipeConfig, schedule_steps: int) -> list[Switch]:
         name = _field(entry, "name")
         if name is not None:
             changes["name"] = name
-        quantized_init = _field(entry, "quantized_init")
-        if name == "bf16":
-            if quantized_init:
-                raise ConfigError(
-                    f"recipe.switch[{i}]: quantized_init=true has no effect with name=bf16 "
-                    "(nothing is quantized); drop quantized_init from this entry"
-                )
-            changes["quantized_init"] = False
-        elif quantized_init is not None:
-            changes["quantized_init"] = bool(quantized_init)
+        for flag in _FLAGS_OFF:
+            value = _flag_change(entry, i, name, flag)
+            if value is not None:
+                changes[flag] = value
         layers = _field(entry, "bf16_layers")
         if layers is not None:
             changes["bf16_layers"] = [int(x) for x in layers]
-        fp8_attention = _field(entry, "fp8_attention")
-        if name in ("bf16", "fp8_block"):
-            if fp8_attention:
-                why = (
-                    "has no effect with name=bf16 (nothing runs in FP8)"
-                    if name == "bf16"
-                    else "is not available with name=fp8_block (TE 2.20 has no FP8 attention "
-                    "for FP8 block scaling)"
-                )
-                raise ConfigError(
-                    f"recipe.switch[{i}]: fp8_attention=true {why}; drop fp8_attention from "
-                    "this entry"
-                )
-            changes["fp8_attention"] = False
-        elif fp8_attention is not None:
-            changes["fp8_attention"] = bool(fp8_attention)
         if not changes:
             raise ConfigError(
                 f"recipe.switch[{i}] changes nothing; give name, quantized_init, bf16_layers "
