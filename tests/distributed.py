@@ -149,8 +149,15 @@ def _context():
     return ctx
 
 
+#: Read at start-up, but what it sets the forked run sets itself (`_train_main`'s line-buffered
+#: stdout and stderr): it may differ from the server's. (Counting it made every run start a new
+#: interpreter wherever the tests' own environment has PYTHONUNBUFFERED=1.)
+_SET_BY_THE_RUN = ("PYTHONUNBUFFERED",)
+
+
 def _imported_env_differs(env: dict[str, str]) -> bool:
     keys = {k for k in (*env, *_server_env) if k.startswith(READ_AT_IMPORT)}
+    keys -= set(_SET_BY_THE_RUN)
     return any(env.get(k) != _server_env.get(k) for k in keys)
 
 
@@ -163,7 +170,7 @@ def launch_forked(
     environment changes what is read at import (READ_AT_IMPORT) gets a new interpreter."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     ctx = _context()
-    if _imported_env_differs({k: v for k, v in full_env.items() if k != "PYTHONUNBUFFERED"}):
+    if _imported_env_differs(full_env):
         return subprocess.run(
             [sys.executable, "train.py", *args],
             cwd=Path(__file__).resolve().parents[1],

@@ -1,6 +1,9 @@
-"""train.py whose checkpoint commits wait SLOW_COMMIT_S seconds (default 60) once the process
-got a Ctrl-C: the save a first Ctrl-C asks for is still in flight when a test presses Ctrl-C
-again (tests/test_ctrl_c.py). Saves before the Ctrl-C commit as usual.
+"""train.py whose checkpoint commits wait SLOW_COMMIT_S seconds (default 60) for the saves that
+start after the process got a Ctrl-C: the save a first Ctrl-C asks for is still in flight when
+a test presses Ctrl-C again (tests/test_ctrl_c.py). Saves started before the Ctrl-C commit as
+usual, also one the Ctrl-C lands in (the press comes when a step is logged, which is just
+before that step's save; slowing that save's commit held rank 0 inside it while the other
+ranks went on to the next step's collectives).
 
     python tests/harness/slow_commit.py <train.py overrides>
     python slurm/launch.py --standalone --nproc-per-node=2 tests/harness/slow_commit.py ...
@@ -23,7 +26,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 sys.path[0] = str(TRAIN.parent)  # as if train.py had been started itself
 
 import runtime  # noqa: E402
-from checkpoint.save import Committer  # noqa: E402
+from checkpoint.save import Committer, Saver  # noqa: E402
 
 #: Set by the first SIGINT this process's StopSignal handles.
 _INTERRUPTED = threading.Event()
@@ -31,19 +34,26 @@ _INTERRUPTED = threading.Event()
 
 def main() -> None:
     delay = float(os.environ.get("SLOW_COMMIT_S", "60"))
-    handle, commit = runtime.StopSignal._handle, Committer.commit
+    handle, save, commit = runtime.StopSignal._handle, Saver.save, Committer.commit
+    after_press: set[int] = set()  # steps whose save started after the first Ctrl-C
 
     def noting_handle(self, signum, frame):
         if signum == signal.SIGINT:
             _INTERRUPTED.set()
         return handle(self, signum, frame)
 
-    def slow_commit(self, *args, **kwargs):
+    def noting_save(self, step, state):
         if _INTERRUPTED.is_set():
+            after_press.add(step)
+        return save(self, step, state)
+
+    def slow_commit(self, tmp, step, *args, **kwargs):
+        if step in after_press:
             time.sleep(delay)
-        return commit(self, *args, **kwargs)
+        return commit(self, tmp, step, *args, **kwargs)
 
     runtime.StopSignal._handle = noting_handle
+    Saver.save = noting_save
     Committer.commit = slow_commit
     sys.argv[0] = str(TRAIN)
     runpy.run_path(str(TRAIN), run_name="__main__")
