@@ -605,14 +605,15 @@ def exit_status(statuses: list[int]) -> int:
     return 0 if not failed else failed[0] if len(failed) == 1 else 1
 
 
-#: What runs `launch`'s one-process train.py instead of a new interpreter (None: a new one).
-#: The test suite sets it (tests/conftest.py) to start train.py forked from a process that has
-#: imported it already (tests/distributed.py, launch_forked): the same program, as __main__,
-#: without the ~4 s of imports a new interpreter spends.
-_train_launcher: Callable[..., subprocess.CompletedProcess] | None = None
+#: What runs `launch`'s train.py (or `-m module`) instead of new interpreters (None: new ones).
+#: The test suite sets it (tests/conftest.py) to start the program's processes forked from one
+#: that has imported it already (tests/distributed.py, launch_forked): the same program, as
+#: __main__, with the environment torchrun gives its workers when nproc > 1, without the ~4 s of
+#: imports each new interpreter spends. It returns None for a run it leaves to new processes.
+_train_launcher: Callable[..., subprocess.CompletedProcess | None] | None = None
 
 
-def set_train_launcher(launcher: Callable[..., subprocess.CompletedProcess] | None) -> None:
+def set_train_launcher(launcher: Callable[..., subprocess.CompletedProcess | None] | None) -> None:
     global _train_launcher
     _train_launcher = launcher
 
@@ -629,8 +630,10 @@ def launch(
     train.py: Hydra overrides) in a new process from the repository root, under `torchrun
     --standalone --nproc_per_node=<nproc>` when nproc > 1; stdout and stderr are captured as
     text. `env` adds to (or replaces in) this process's environment."""
-    if _train_launcher is not None and nproc == 1 and program == ("train.py",):
-        return _train_launcher(args, env=env, timeout=timeout)
+    if _train_launcher is not None:
+        done = _train_launcher(args, nproc=nproc, env=env, timeout=timeout, program=program)
+        if done is not None:
+            return done
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

@@ -26,7 +26,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch.distributed as dist
@@ -94,24 +96,32 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
         raise AssertionError(f"processes exited abnormally (rank, exitcode): {bad}")
 
 
-def _train_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """In a forked process: `python train.py ARGS` from `cwd` with `env`, its output in the
-    files `out` and `err`; leaves with train.py's exit status, after what an interpreter does
-    at exit (joining threads, atexit handlers, flushing)."""
+def _train_main(
+    program: tuple[str, ...], args: list[str], env: dict[str, str], cwd: str, out: str, err: str
+) -> None:
+    """In a forked process: `python PROGRAM ARGS` (train.py, or `-m module`) from `cwd` with
+    `env`, its output appended to the files `out` and `err` (which the ranks of one run
+    share, as torchrun's workers share its stdout and stderr); leaves with the program's exit
+    status, after what an interpreter does at exit (joining threads, atexit handlers,
+    flushing)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        target = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - line by line, as
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - PYTHONUNBUFFERED
-    sys.argv = ["train.py", *args]
+    module = program[1] if program[0] == "-m" else None
+    sys.argv = [module or program[0], *args]
     sys.path[0] = cwd
     code = 0
     try:
-        runpy.run_path("train.py", run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(program[0], run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -126,6 +136,57 @@ def _train_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What `torchrun --standalone --nproc_per_node=NPROC` gives worker `rank` (its variables
+    that the trainer and torch.distributed read), with rank 0 hosting the rendezvous store."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
+def _wait(procs: list, timeout: float | None) -> list[int | None]:
+    """Wait for every rank, as torchrun's agent does: when one fails, the others get SIGTERM
+    (then SIGKILL after 5 s); at `timeout`, all are killed. Returns the exit codes (None: was
+    still running at the timeout)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stop_at = None
+    while any(p.exitcode is None for p in procs):
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            return codes
+        failed = any(p.exitcode not in (None, 0) for p in procs)
+        if failed and stop_at is None:
+            stop_at = now + 5
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        elif stop_at is not None and now > stop_at:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.05)
+    return [p.exitcode for p in procs]
 
 
 #: Variables read when a module is imported or the interpreter starts (the import path, the
@@ -149,47 +210,65 @@ def _context():
     return ctx
 
 
-#: Read at start-up, but what it sets the forked run sets itself (`_train_main`'s line-buffered
-#: stdout and stderr): it may differ from the server's. (Counting it made every run start a new
-#: interpreter wherever the tests' own environment has PYTHONUNBUFFERED=1.)
-_SET_BY_THE_RUN = ("PYTHONUNBUFFERED",)
+#: Variables that may differ from the server's without changing the run: PYTHONUNBUFFERED (the
+#: forked run's stdout and stderr are line-buffered by `_train_main` itself) and
+#: TORCHINDUCTOR_CACHE_DIR (torch writes its default into the environment of a process that
+#: compiled something; the run computes the same default). Counting either made every later
+#: run of the test process start new interpreters.
+_NOT_COMPARED = ("PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _imported_env_differs(env: dict[str, str]) -> bool:
     keys = {k for k in (*env, *_server_env) if k.startswith(READ_AT_IMPORT)}
-    keys -= set(_SET_BY_THE_RUN)
+    keys -= set(_NOT_COMPARED)
     return any(env.get(k) != _server_env.get(k) for k in keys)
 
 
 def launch_forked(
-    args: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
-) -> subprocess.CompletedProcess:
-    """runtime.launch for a one-process train.py, forked from the PRELOAD server instead of a
-    new interpreter (tests/conftest.py installs it): the same CompletedProcess (return code,
-    stdout, stderr as text); killed after `timeout` as subprocess.run would be. A run whose
-    environment changes what is read at import (READ_AT_IMPORT) gets a new interpreter."""
+    args: list[str],
+    *,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    program: tuple[str, ...] = ("train.py",),
+) -> subprocess.CompletedProcess | None:
+    """runtime.launch for train.py or `-m module`, its processes forked from the PRELOAD
+    server instead of new interpreters (tests/conftest.py installs it): one process, or nproc
+    ranks with torchrun's worker environment; the same CompletedProcess (exit status: the
+    rank's, or 1 when any of several failed, as torchrun's; stdout and stderr as text, the
+    ranks' together); killed after `timeout` as subprocess.run would be. Returns None, which
+    leaves the run to new processes, for another program, for a run whose environment changes
+    what is read at import (READ_AT_IMPORT), and for TEST_LAUNCH=subprocess in `env` (a test of
+    what torchrun itself prints)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if program != ("train.py",) and not (len(program) == 2 and program[0] == "-m"):
+        return None
+    if full_env.get("TEST_LAUNCH") == "subprocess":
+        return None
     ctx = _context()
     if _imported_env_differs(full_env):
-        return subprocess.run(
-            [sys.executable, "train.py", *args],
-            cwd=Path(__file__).resolve().parents[1],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return None
     root = str(Path(__file__).resolve().parents[1])
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = ctx.Process(target=_train_main, args=(args, full_env, root, str(out), str(err)))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired(["train.py", *args], timeout, out.read_text())
-        code = proc.exitcode if proc.exitcode is not None else -9
+        out.touch()
+        err.touch()
+        procs = []
+        for rank in range(nproc):
+            rank_env = full_env if nproc == 1 else {**full_env, **_torchrun_env(rank, nproc, port)}
+            proc = ctx.Process(
+                target=_train_main, args=(program, args, rank_env, root, str(out), str(err))
+            )
+            proc.start()
+            procs.append(proc)
+        codes = _wait(procs, timeout)
+        if None in codes:
+            raise subprocess.TimeoutExpired([*program, *args], timeout, out.read_text())
+        if nproc == 1:
+            code = codes[0]
+        else:
+            code = 0 if all(c == 0 for c in codes) else 1
         return subprocess.CompletedProcess(
-            ["train.py", *args], code, out.read_text(), err.read_text()
+            [*program, *args], code, out.read_text(), err.read_text()
         )

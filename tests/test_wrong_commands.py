@@ -139,7 +139,10 @@ def test_one_line_each(tmp_path, args, line, fix):
     ],
 )
 def test_under_torchrun(tmp_path, args, line):
-    r = launch([*args, f"run.root={tmp_path}", "train.steps=2"], nproc=2, env=CPU_ENV, timeout=300)
+    # torchrun itself (TEST_LAUNCH=subprocess), not the test suite's forked ranks: what it
+    # prints after a failed worker is what this test reads.
+    env = {**CPU_ENV, "TEST_LAUNCH": "subprocess"}
+    r = launch([*args, f"run.root={tmp_path}", "train.steps=2"], nproc=2, env=env, timeout=300)
     text = r.stdout + r.stderr
     assert r.returncode != 0, text
     ours = [x for x in _lines(text) if x.startswith("error: ")]
