@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -24,11 +26,22 @@ if os.environ.get("TEST_LAUNCH") != "subprocess":
 def pytest_collection_modifyitems(config, items):
     """Tests listed in tests/slow_tests.txt (measured slow) are marked `slow` too, so
     `make test-fast` (-m "not slow") leaves them out."""
-    import pytest
-
     from tests.slow_list import listed
 
     slow = listed()
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test leaves the process environment as it found it. A run made in the test process
+    sets variables as a run of its own would (train.run sets TORCH_NCCL_HIGH_PRIORITY); left
+    behind, they made the later tests' train.py runs differ from the preloaded server's
+    environment, so each started new interpreters instead of forking (tests/distributed.py)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
