@@ -17,8 +17,8 @@ from tests.distributed import launch_forked  # noqa: E402
 # (runtime.pin_cpu_arithmetic, before any kernel), so a loss computed here compares bit for
 # bit with a run's.
 runtime.pin_cpu_arithmetic(torch.device("cpu"))
-# A one-process train.py started by runtime.launch is forked from the preloaded server
-# (TEST_LAUNCH=subprocess: a new interpreter each time, as a user starts it).
+# train.py runs started by runtime.launch (one process, or a torchrun job's ranks) are forked
+# from the preloaded server (TEST_LAUNCH=subprocess: new interpreters, as a user starts them).
 if os.environ.get("TEST_LAUNCH") != "subprocess":
     runtime.set_train_launcher(launch_forked)
 
