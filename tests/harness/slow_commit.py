@@ -5,6 +5,9 @@ usual, also one the Ctrl-C lands in (the press comes when a step is logged, whic
 before that step's save; slowing that save's commit held rank 0 inside it while the other
 ranks went on to the next step's collectives).
 
+SLOW_SAVE_STEP=N (with SLOW_SAVE_S, default 5): the save of step N waits that long before it
+starts, so a Ctrl-C pressed once step N is logged lands inside a save (tests/test_ctrl_c.py).
+
     python tests/harness/slow_commit.py <train.py overrides>
     python slurm/launch.py --standalone --nproc-per-node=2 tests/harness/slow_commit.py ...
 
@@ -42,9 +45,14 @@ def main() -> None:
             _INTERRUPTED.set()
         return handle(self, signum, frame)
 
+    slow_step = int(os.environ.get("SLOW_SAVE_STEP", "-1"))
+    slow_save_s = float(os.environ.get("SLOW_SAVE_S", "5"))
+
     def noting_save(self, step, state):
         if _INTERRUPTED.is_set():
             after_press.add(step)
+        elif step == slow_step:
+            time.sleep(slow_save_s)
         return save(self, step, state)
 
     def slow_commit(self, tmp, step, *args, **kwargs):
