@@ -17,6 +17,7 @@ finds its config as when train.py is started itself.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
 import signal
@@ -41,8 +42,12 @@ def main() -> None:
     after_press: set[int] = set()  # steps whose save started after the first Ctrl-C
 
     def noting_handle(self, signum, frame):
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and not _INTERRUPTED.is_set():
             _INTERRUPTED.set()
+            # Where every thread is, should this process still run 25 s after the first press
+            # (a test's whole run ends seconds after it; torchrun kills its workers at 30 s):
+            # the stacks of a rare hang of tests/test_ctrl_c.py, not yet understood.
+            faulthandler.dump_traceback_later(25, file=sys.__stderr__)
         return handle(self, signum, frame)
 
     slow_step = int(os.environ.get("SLOW_SAVE_STEP", "-1"))
