@@ -84,18 +84,15 @@ def press_after(proc: subprocess.Popen, run_dir: Path, step: int) -> int:
     return last
 
 
-def wait_for_stop_save(proc: subprocess.Popen, root: Path, after: int) -> None:
-    """Until the save of a step after `after` is being written (its `.tmp` directory): the
-    ranks have agreed to stop, so each has run its handler of the press. A rank that was
+def wait_for_stop_save(proc: subprocess.Popen, mark: Path) -> None:
+    """Until the stop save has started (tests/harness/slow_commit.py writes its step to `mark`):
+    the ranks have agreed to stop, so each has run its handler of the press. A rank that was
     waiting in a collective when the press arrived runs it only when the collective returns,
-    and times a second press from then (runtime.StopSignal)."""
+    and times a second press from then (runtime.StopSignal). The stop save is of the step
+    the press came after, when the press lands before that step's stop agreement, or of the
+    next log step."""
     deadline = time.monotonic() + 120
-
-    def writing() -> list[int]:  # steps of step_XXXXXXX.tmp (not .pruned.tmp and the like)
-        tmps = root.glob(f"step_*{store.TMP_SUFFIX}")
-        return [s for p in tmps if (s := store.dir_step(p.with_suffix(""))) is not None]
-
-    while not any(step > after for step in writing()):
+    while not mark.exists():
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "no save started after the press"
         time.sleep(0.05)
@@ -163,8 +160,12 @@ def test_ctrl_c_commits_and_a_second_stops_at_once(tmp_path, reference, nproc, m
     # Second press, while the save the first asked for waits to commit: stops at once.
     # (It also resumes the first press's checkpoint: its steps must match an uninterrupted run.)
     before = {s: store.verify(root / store.step_name(s)) for s in committed(root)}
-    proc = start(nproc, args, ("tests/harness/slow_commit.py",), {"SLOW_COMMIT_S": "60"})
-    wait_for_stop_save(proc, root, press_after(proc, run_dir, stopped + 2))
+    mark = tmp_path / "stop-save"
+    env = {"SLOW_COMMIT_S": "60", "STOP_SAVE_MARK": str(mark)}
+    proc = start(nproc, args, ("tests/harness/slow_commit.py",), env)
+    pressed_after = press_after(proc, run_dir, stopped + 2)
+    wait_for_stop_save(proc, mark)
+    assert int(mark.read_text()) >= pressed_after
     time.sleep(DOUBLE_PRESS_S + 0.5)
     os.killpg(proc.pid, signal.SIGINT)
     pressed = time.monotonic()

@@ -1,9 +1,10 @@
-"""train.py whose checkpoint commits wait SLOW_COMMIT_S seconds (default 60) for the saves that
-start after the process got a Ctrl-C: the save a first Ctrl-C asks for is still in flight when
-a test presses Ctrl-C again (tests/test_ctrl_c.py). Saves started before the Ctrl-C commit as
-usual, also one the Ctrl-C lands in (the press comes when a step is logged, which is just
-before that step's save; slowing that save's commit held rank 0 inside it while the other
-ranks went on to the next step's collectives).
+"""train.py whose stop save (the save a first Ctrl-C asks for, taken at the step where the ranks
+agree to stop) commits only after SLOW_COMMIT_S seconds (default 60): it is still in flight when
+a test presses Ctrl-C again (tests/test_ctrl_c.py). Every other save commits as usual, also one
+that a press lands in or that starts between the press and the agreement (holding those held
+rank 0 in a commit while the other rank went on to the next step's collectives). When the stop
+save starts, rank 0 writes its step to the file STOP_SAVE_MARK, if set, for the test to wait on
+(the stop is agreed at the next log step: the step a press came after, or a later one).
 
 SLOW_SAVE_STEP=N (with SLOW_SAVE_S, default 5): the save of step N waits that long before it
 starts, so a Ctrl-C pressed once step N is logged lands inside a save (tests/test_ctrl_c.py).
@@ -38,34 +39,44 @@ _INTERRUPTED = threading.Event()
 
 def main() -> None:
     delay = float(os.environ.get("SLOW_COMMIT_S", "60"))
-    handle, save, commit = runtime.StopSignal._handle, Saver.save, Committer.commit
-    after_press: set[int] = set()  # steps whose save started after the first Ctrl-C
+    mark = os.environ.get("STOP_SAVE_MARK")
+    handle, agreed = runtime.StopSignal._handle, runtime.StopSignal.agreed
+    save, commit = Saver.save, Committer.commit
+    stop_saves: set[int] = set()  # the steps of saves taken once the ranks agreed to stop
+    stopping = threading.Event()
 
     def noting_handle(self, signum, frame):
         if signum == signal.SIGINT and not _INTERRUPTED.is_set():
             _INTERRUPTED.set()
             # Where every thread is, should this process still run 25 s after the first press
-            # (a test's whole run ends seconds after it; torchrun kills its workers at 30 s):
-            # the stacks of a rare hang of tests/test_ctrl_c.py, not yet understood.
+            # (a test's whole run ends seconds after it; torchrun kills its workers at 30 s).
             faulthandler.dump_traceback_later(25, file=sys.__stderr__)
         return handle(self, signum, frame)
+
+    def noting_agreed(self, device):
+        if (out := agreed(self, device)) and self.name == "SIGINT":
+            stopping.set()
+        return out
 
     slow_step = int(os.environ.get("SLOW_SAVE_STEP", "-1"))
     slow_save_s = float(os.environ.get("SLOW_SAVE_S", "5"))
 
     def noting_save(self, step, state):
-        if _INTERRUPTED.is_set():
-            after_press.add(step)
+        if stopping.is_set():
+            stop_saves.add(step)
+            if mark and self.ctx.rank == 0:
+                Path(mark).write_text(f"{step}\n")
         elif step == slow_step:
             time.sleep(slow_save_s)
         return save(self, step, state)
 
     def slow_commit(self, tmp, step, *args, **kwargs):
-        if step in after_press:
+        if step in stop_saves:
             time.sleep(delay)
         return commit(self, tmp, step, *args, **kwargs)
 
     runtime.StopSignal._handle = noting_handle
+    runtime.StopSignal.agreed = noting_agreed
     Saver.save = noting_save
     Committer.commit = slow_commit
     sys.argv[0] = str(TRAIN)
