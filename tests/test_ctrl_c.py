@@ -216,7 +216,7 @@ def test_a_ctrl_c_during_a_save_saves_the_next_step(tmp_path, reference, mode):
     assert logged(run_dir)[-1] == 5, out
     assert committed(root) == [4, 5], out
     assert all(store.verify(root / store.step_name(s)) is None for s in committed(root))
-    said = [ln for ln in out.splitlines() if ln.startswith("stop signal")]
+    said = [ln for ln in lines if ln.startswith("stop signal")]
     assert len(said) == 1 and "checkpoint at step 5 saved" in said[0], out
     check_quiet(out, 2)
     ref = [r["loss"] for r in read_metrics(reference(2) / "metrics.jsonl")][:5]
