@@ -84,18 +84,19 @@ def press_after(proc: subprocess.Popen, run_dir: Path, step: int) -> int:
     return last
 
 
-def wait_for_stop_save(proc: subprocess.Popen, mark: Path) -> None:
-    """Until the stop save has started (tests/harness/slow_commit.py writes its step to `mark`):
-    the ranks have agreed to stop, so each has run its handler of the press. A rank that was
-    waiting in a collective when the press arrived runs it only when the collective returns,
-    and times a second press from then (runtime.StopSignal). The stop save is of the step
-    the press came after, when the press lands before that step's stop agreement, or of the
-    next log step."""
-    deadline = time.monotonic() + 120
-    while not mark.exists():
+def wait_for_mark(proc: subprocess.Popen, mark: Path, what: str) -> int:
+    """Until tests/harness/slow_commit.py has written a save's step to `mark` as the save
+    began; that step. The stop save's mark (STOP_SAVE_MARK) says the ranks have agreed to stop,
+    so each has run its handler of the press. A rank that was waiting in a collective when the
+    press arrived runs it only when the collective returns, and times a second press from then
+    (runtime.StopSignal). The stop save is of the step the press came after, when the press
+    lands before that step's stop agreement, or of the next log step."""
+    deadline = time.monotonic() + 240
+    while not mark.exists() or not mark.read_text().endswith("\n"):
         assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "no save started after the press"
+        assert time.monotonic() < deadline, f"{what} did not start in time"
         time.sleep(0.05)
+    return int(mark.read_text())
 
 
 def check_quiet(out: str, nproc: int) -> None:
@@ -164,8 +165,7 @@ def test_ctrl_c_commits_and_a_second_stops_at_once(tmp_path, reference, nproc, m
     env = {"SLOW_COMMIT_S": "60", "STOP_SAVE_MARK": str(mark)}
     proc = start(nproc, args, ("tests/harness/slow_commit.py",), env)
     pressed_after = press_after(proc, run_dir, stopped + 2)
-    wait_for_stop_save(proc, mark)
-    assert int(mark.read_text()) >= pressed_after
+    assert wait_for_mark(proc, mark, "no save after the press") >= pressed_after
     time.sleep(DOUBLE_PRESS_S + 0.5)
     os.killpg(proc.pid, signal.SIGINT)
     pressed = time.monotonic()
@@ -195,16 +195,19 @@ def test_ctrl_c_commits_and_a_second_stops_at_once(tmp_path, reference, nproc, m
 @pytest.mark.parametrize("mode", ["sync", "async_process"])
 def test_a_ctrl_c_during_a_save_saves_the_next_step(tmp_path, reference, mode):
     """A first Ctrl-C that lands inside a save (2 ranks; the save of step 4 is held 5 s before
-    it starts, tests/harness/slow_commit.py): that save commits as usual, the run trains to
-    the next log step, saves it and exits with status 130; its losses are an uninterrupted
-    run's. (The Ctrl-C test above met this only by chance, under load, and the harness then
-    held the commit the press landed in.)"""
+    it starts, tests/harness/slow_commit.py, and pressed once that hold began, so after step
+    4's stop agreement): that save commits as usual, the run trains to the next log step,
+    saves it and exits with status 130; its losses are an uninterrupted run's. (The Ctrl-C
+    test above met this only by chance, under load, and the harness then held the commit the
+    press landed in.)"""
     runs = tmp_path / "runs"
     run_dir, root = runs / "c", runs / "c" / "checkpoints"
     args = [*TRAIN, f"checkpoint={mode}", f"run.root={runs}", "run.name=c"]
+    mark = tmp_path / "slow-save"
     env = {"SLOW_SAVE_STEP": "4", "SLOW_SAVE_S": "5", "SLOW_COMMIT_S": "0"}
-    proc = start(2, args, ("tests/harness/slow_commit.py",), env)
-    assert press_after(proc, run_dir, 4) == 4
+    proc = start(2, args, ("tests/harness/slow_commit.py",), {**env, "SLOW_SAVE_MARK": str(mark)})
+    assert wait_for_mark(proc, mark, "the held save of step 4") == 4
+    os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == EXIT_INTERRUPTED, out
     lines = out.splitlines()

@@ -7,7 +7,10 @@ save starts, rank 0 writes its step to the file STOP_SAVE_MARK, if set, for the 
 (the stop is agreed at the next log step: the step a press came after, or a later one).
 
 SLOW_SAVE_STEP=N (with SLOW_SAVE_S, default 5): the save of step N waits that long before it
-starts, so a Ctrl-C pressed once step N is logged lands inside a save (tests/test_ctrl_c.py).
+starts, so that a Ctrl-C lands inside a save (tests/test_ctrl_c.py). As the wait begins, rank 0
+writes N to the file SLOW_SAVE_MARK, if set: every rank is then past step N's stop agreement
+(a collective), so a press from then on is not seen before step N is saved. (A press as soon as
+step N is logged can reach a rank before that agreement, and the run then stops at step N.)
 
     python tests/harness/slow_commit.py <train.py overrides>
     python slurm/launch.py --standalone --nproc-per-node=2 tests/harness/slow_commit.py ...
@@ -39,7 +42,7 @@ _INTERRUPTED = threading.Event()
 
 def main() -> None:
     delay = float(os.environ.get("SLOW_COMMIT_S", "60"))
-    mark = os.environ.get("STOP_SAVE_MARK")
+    mark, slow_mark = os.environ.get("STOP_SAVE_MARK"), os.environ.get("SLOW_SAVE_MARK")
     handle, agreed = runtime.StopSignal._handle, runtime.StopSignal.agreed
     save, commit = Saver.save, Committer.commit
     stop_saves: set[int] = set()  # the steps of saves taken once the ranks agreed to stop
@@ -67,6 +70,8 @@ def main() -> None:
             if mark and self.ctx.rank == 0:
                 Path(mark).write_text(f"{step}\n")
         elif step == slow_step:
+            if slow_mark and self.ctx.rank == 0:
+                Path(slow_mark).write_text(f"{step}\n")
             time.sleep(slow_save_s)
         return save(self, step, state)
 
