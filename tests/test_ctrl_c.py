@@ -165,7 +165,7 @@ def test_ctrl_c_commits_and_a_second_stops_at_once(tmp_path, reference, nproc, m
     env = {"SLOW_COMMIT_S": "60", "STOP_SAVE_MARK": str(mark)}
     proc = start(nproc, args, ("tests/harness/slow_commit.py",), env)
     pressed_after = press_after(proc, run_dir, stopped + 2)
-    assert wait_for_mark(proc, mark, "no save after the press") >= pressed_after
+    assert wait_for_mark(proc, mark, "the stop save") >= pressed_after
     time.sleep(DOUBLE_PRESS_S + 0.5)
     os.killpg(proc.pid, signal.SIGINT)
     pressed = time.monotonic()
@@ -204,8 +204,13 @@ def test_a_ctrl_c_during_a_save_saves_the_next_step(tmp_path, reference, mode):
     run_dir, root = runs / "c", runs / "c" / "checkpoints"
     args = [*TRAIN, f"checkpoint={mode}", f"run.root={runs}", "run.name=c"]
     mark = tmp_path / "slow-save"
-    env = {"SLOW_SAVE_STEP": "4", "SLOW_SAVE_S": "5", "SLOW_COMMIT_S": "0"}
-    proc = start(2, args, ("tests/harness/slow_commit.py",), {**env, "SLOW_SAVE_MARK": str(mark)})
+    env = {
+        "SLOW_SAVE_STEP": "4",
+        "SLOW_SAVE_S": "5",
+        "SLOW_SAVE_MARK": str(mark),
+        "SLOW_COMMIT_S": "0",
+    }
+    proc = start(2, args, ("tests/harness/slow_commit.py",), env)
     assert wait_for_mark(proc, mark, "the held save of step 4") == 4
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=240)
