@@ -45,17 +45,32 @@ def free_port() -> int:
 PRELOAD = ["torch", "torch.distributed.tensor", "datasets", "train", "tests.helpers"]
 
 
+def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What `torchrun --standalone --nproc_per_node=NPROC` gives worker `rank` (its variables
+    that the trainer and torch.distributed read), with rank 0 hosting the rendezvous store."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
 def _worker(rank, world_size, port, fn, args, errors, env):
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(_torchrun_env(rank, world_size, port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
@@ -136,28 +151,6 @@ def _train_main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
-    """What `torchrun --standalone --nproc_per_node=NPROC` gives worker `rank` (its variables
-    that the trainer and torch.distributed read), with rank 0 hosting the rendezvous store."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "GROUP_RANK": "0",
-        "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "ROLE_WORLD_SIZE": str(nproc),
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "none",
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-    }
 
 
 def _wait(procs: list, timeout: float | None) -> list[int | None]:
@@ -265,10 +258,7 @@ def launch_forked(
         codes = _wait(procs, timeout)
         if None in codes:
             raise subprocess.TimeoutExpired([*program, *args], timeout, out.read_text())
-        if nproc == 1:
-            code = codes[0]
-        else:
-            code = 0 if all(c == 0 for c in codes) else 1
+        code = codes[0] if nproc == 1 else int(any(codes))  # torchrun's: 1 if any rank failed
         return subprocess.CompletedProcess(
             [*program, *args], code, out.read_text(), err.read_text()
         )

@@ -65,13 +65,15 @@ def main() -> None:
     slow_save_s = float(os.environ.get("SLOW_SAVE_S", "5"))
 
     def noting_save(self, step, state):
+        def write_mark(path):  # rank 0, for the test to wait on
+            if path and self.ctx.rank == 0:
+                Path(path).write_text(f"{step}\n")
+
         if stopping.is_set():
             stop_saves.add(step)
-            if mark and self.ctx.rank == 0:
-                Path(mark).write_text(f"{step}\n")
+            write_mark(mark)
         elif step == slow_step:
-            if slow_mark and self.ctx.rank == 0:
-                Path(slow_mark).write_text(f"{step}\n")
+            write_mark(slow_mark)
             time.sleep(slow_save_s)
         return save(self, step, state)
 
