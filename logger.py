@@ -65,6 +65,7 @@ LINE_FIELDS = [
     ("step_time_s", "step_time", "{:.3f}s"),
     ("eta_s", "eta", None),
     ("mem_gb", "mem_gb", "{:.2f}"),
+    ("alloc_retries", "alloc_retries", "{:d}"),
 ]
 
 SENT_FILE = "wandb_sent.json"

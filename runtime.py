@@ -365,6 +365,16 @@ def check_determinism(on: bool, impl: str, document_mask: bool, device: torch.de
         )
 
 
+def allocator_retries(device: torch.device) -> int | None:
+    """How often this run's CUDA caching allocator found no free block, released its cache
+    and tried cudaMalloc again (None on CPU and while it never did). Each retry synchronizes
+    the device: a count that grows every step means memory so close to full that the step
+    slows down, well before it runs out."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) or None
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated GPU memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -416,6 +426,19 @@ class GcSchedule:
 #: interrupted from the terminal. Not EXIT_REQUEUE: a person stopped the run, and
 #: slurm/train.sbatch must not requeue it (a multirun stops too).
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+#: Prints every thread's stack of a running trainer to its stderr, and the run goes on:
+#: `kill -USR2 <pid>` shows where a run that seems stuck is (tools/benchlib.py sends it to a
+#: benchmark case past its time limit before stopping it).
+STACK_SIGNAL = signal.SIGUSR2
+
+
+def register_stack_dump() -> None:
+    """STACK_SIGNAL prints this process's stacks (faulthandler, safe inside any wait)."""
+    import faulthandler
+
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
 
 #: A second stop signal after a Ctrl-C counts as the second press ("stop now") only when it
 #: comes this long after the first. A launcher may deliver one key press twice within

@@ -87,6 +87,7 @@ from runtime import (
     EXIT_REQUEUE,
     GcSchedule,
     StopSignal,
+    allocator_retries,
     apply_cpu_threads,
     apply_determinism,
     apply_nccl_priority,
@@ -99,6 +100,7 @@ from runtime import (
     peak_memory_gb,
     pick_device,
     pin_cpu_arithmetic,
+    register_stack_dump,
     report_error,
     to_device,
 )
@@ -494,6 +496,7 @@ def run(cfg: Config) -> int:
     # checkpoints SIGTERM and SIGUSR1 keep their default meaning (terminate) and a Ctrl-C
     # stops at once in one line.
     stop = StopSignal(save=cfg.checkpoint.mode != "none")
+    register_stack_dump()  # kill -USR2 <pid>: where a run that seems stuck is
     try:
         return _run(cfg, stop)
     finally:
@@ -892,6 +895,7 @@ def _log_step(loop: Loop, step: int, loss, grad_norm, val_loss, switch_to) -> fl
             tokens_seen=loop.train_state.tokens_seen,
             **clock.measure(step, attention_pairs=pairs_value),
             mem_gb=peak_memory_gb(device),
+            alloc_retries=allocator_retries(device),
             param_bytes_per_param=loop.param_bytes / loop.param_local_numel,
             eval_s=clock.eval_last if val_loss is not None else None,
             **loop.ckpt.stats(),

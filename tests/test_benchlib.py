@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+import pytest
 
 from tools import benchlib
 
@@ -68,3 +71,66 @@ def test_run_case_reads_metrics_and_says_why_a_run_failed(tmp_path):
     assert bad.tail(1) == "args fail=1 y"  # stderr, then stdout: the last line
     none = benchlib.run_case(["a=1"], repo=repo, env={"BENCH_X": "y"})
     assert none.records == []  # no run_dir: no metrics read
+
+
+def _hanging_train(tmp_path, run_dir):
+    """A train.py that logs step 1, then waits forever in `hang`, with train.py's stack-dump
+    signal registered (runtime.register_stack_dump)."""
+    from runtime import ROOT
+
+    return _fake_train(
+        tmp_path,
+        "import json, os, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from runtime import register_stack_dump\n"
+        "register_stack_dump()\n"
+        f"os.makedirs({str(run_dir)!r}, exist_ok=True)\n"
+        "if os.environ.get('RANK', '0') == '0':\n"
+        f"    with open({str(run_dir / 'metrics.jsonl')!r}, 'w') as f:\n"
+        "        f.write(json.dumps({'step': 1, 'loss': 2.5}) + '\\n')\n"
+        "def hang():\n"
+        "    while True:\n"
+        "        time.sleep(0.1)\n"
+        "print('step 1 logged', flush=True)\n"
+        "hang()\n",
+    )
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_case_past_its_timeout_says_where_its_ranks_were(tmp_path, nproc):
+    """The cp=4 case of issue 56 ran past the suite's limit and bench_step printed nothing:
+    now a case past --timeout has its ranks' stacks printed (under torchrun too, whose
+    workers live in sessions of their own), is stopped with every process, and says the last
+    step it logged and where each rank waited."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "repo").mkdir()
+    repo = _hanging_train(tmp_path / "repo", run_dir)
+    case = benchlib.run_case(
+        ["a=1"], run_dir=run_dir, repo=repo, nproc=nproc, timeout=8, log=tmp_path / "logs/c0"
+    )
+    assert case.timed_out and not case.ok and case.returncode == -9
+    line = case.failure()
+    assert line.startswith("timed out after ") and "last logged step 1" in line, line
+    where = benchlib.stack_summary(case.stderr)
+    assert len(where) == nproc, case.stderr[-2000:]
+    assert all(w.startswith("train.py:") and " hang" in w for w in where), where
+    assert "stacks: train.py:" in line
+    # the output was kept as it came, and nothing of the run is left running
+    assert (tmp_path / "logs/c0.out").read_text().count("step 1 logged") == nproc
+    for proc in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmdline = proc.read_bytes()
+        except OSError:
+            continue
+        if str(repo).encode() in cmdline and _alive(int(proc.parent.name)):
+            raise AssertionError(f"left running: {cmdline!r}")

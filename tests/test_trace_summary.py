@@ -67,6 +67,10 @@ def test_figures_of_a_known_trace():
     assert s["kinds_compute_ms"] == pytest.approx({"gemm": 2.5, "attention": 1.0, "copy/cast": 0.5})
     assert s["kinds_all_ms"]["nccl"] == pytest.approx(2.0)
     assert s["streams"]["20"]["busy_ms"] == pytest.approx(2.0)
+    # the all-gather's 2 ms, 1.5 of them beside the GEMM and the attention kernel
+    assert s["nccl"] == {
+        "AllGather": {"ms": pytest.approx(2.0), "beside_compute_ms": pytest.approx(1.5)}
+    }
     top = {t["name"]: t for t in s["top"]}
     assert top["nvjet_sm90_tst_256x128"]["ms"] == pytest.approx(2.5)
     assert top["nvjet_sm90_tst_256x128"]["calls"] == 2
@@ -111,3 +115,48 @@ def test_cli_prints_a_table(tmp_path, capsys):
 def test_a_trace_without_kernels_is_refused():
     with pytest.raises(ValueError, match="no device kernels"):
         ts.summarize({"traceEvents": []})
+
+
+def test_attention_kernels_by_part_and_precision():
+    """Forward, the recompute of activation checkpointing (a forward kernel launched from
+    autograd's backward) and backward, each 16-bit or fp8 by the kernel's name: how a profile
+    shows that every ring step of context parallelism ran the FP8 kernel."""
+    fwd_op = {"ph": "X", "cat": "cpu_op", "name": "FusedAttnFunc", "ts": 0, "dur": 10, "tid": 1}
+    bwd_op = {
+        "ph": "X",
+        "cat": "cpu_op",
+        "name": "autograd::engine::evaluate_function: CheckpointFunctionBackward",
+        "ts": 100,
+        "dur": 100,
+        "tid": 2,
+    }
+
+    def launch(ts_us, corr, tid):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts_us,
+            "dur": 1,
+            "tid": tid,
+            "args": {"correlation": corr},
+        }
+
+    fprop8 = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f8_knob_1"
+    kernels = [
+        _k(fprop8, 1000, 300, 7, 1),  # forward, ring step 1
+        _k(fprop8, 1400, 300, 7, 2),  # forward, ring step 2
+        _k(fprop8, 2000, 300, 7, 3),  # recompute
+        _k("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f8_knob", 2400, 700, 7, 4),
+        _k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", 3200, 200, 7, 5),
+    ]
+    cpu = [fwd_op, bwd_op, launch(1, 1, 1), launch(2, 2, 1), launch(110, 3, 2)]
+    cpu += [launch(120, 4, 2), launch(5, 5, 1)]
+    s = ts.summarize({"traceEvents": cpu + kernels})
+    assert s["attention"] == {
+        "backward fp8": {"ms": pytest.approx(0.7), "calls": 1},
+        "forward 16-bit": {"ms": pytest.approx(0.2), "calls": 1},
+        "forward fp8": {"ms": pytest.approx(0.6), "calls": 2},
+        "recompute fp8": {"ms": pytest.approx(0.3), "calls": 1},
+    }
+    assert "| recompute fp8 | 0.3 | 1 |" in ts.render(s)

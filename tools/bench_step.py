@@ -37,6 +37,9 @@ per case. `--repo DIR` runs another checkout's train.py (a before/after comparis
 session); `--profile-steps 10-11` records those steps with torch.profiler (train.py's
 `train.profile_steps`) and writes the kernel table, tools/trace_summary.py's breakdown and, on
 a GPU, rank 0's memory at the peak of those steps by allocation site next to the JSON.
+`--timeout S` stops a case after S seconds: its ranks first print their stacks (train.py's
+`kill -USR2`), and its row says the last step it logged and where each rank was; with
+`--json`, each case's output is kept beside it (`case<i>.out`, `case<i>.err`) as it runs.
 """
 
 from __future__ import annotations
@@ -149,8 +152,15 @@ def overrides(case: dict, nproc: int, args, run_root: str) -> list[str]:
 def run_case(case: dict, args, run_root: str) -> dict:
     repo = Path(args.repo).resolve() if args.repo else ROOT
     run_dir = Path(run_root) / f"bench{case['index']}"
+    label = f"{args.label}_" if args.label else ""
+    log = Path(args.json).with_name(f"{label}case{case['index']}") if args.json else None
     ran = benchlib.run_case(
-        overrides(case, args.nproc, args, run_root), run_dir=run_dir, nproc=args.nproc, repo=repo
+        overrides(case, args.nproc, args, run_root),
+        run_dir=run_dir,
+        nproc=args.nproc,
+        repo=repo,
+        timeout=args.timeout,
+        log=log,
     )
     records = ran.records
     steady = [r for r in records if r["step"] > args.warmup]
@@ -163,17 +173,22 @@ def run_case(case: dict, args, run_root: str) -> dict:
         repo=str(repo),
     )
     if not ran.ok or not steady:
-        result["error"] = ran.failure()
+        # A run that failed or was stopped says what it did: the line that says why (for one
+        # past --timeout, the last step it logged and where each rank was), the steps it
+        # logged, and its last lines.
+        result["error"] = ran.failure() if not ran.ok else "no step after the warm-up logged"
+        result["steps_logged"] = [r["step"] for r in records]
         result["log_tail"] = ran.tail(40)
         return result
     result.update(
         tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_device"] for r in steady),
         mfu=statistics.median(r["mfu"] for r in steady) if steady[0].get("mfu") else None,
         peak_gib=max(r["mem_gb"] for r in records),
+        # the allocator's cache flushes (runtime.allocator_retries): memory so full it slows
+        alloc_retries=max(r.get("alloc_retries") or 0 for r in records),
         loss_last=records[-1]["loss"],
         steps_measured=len(steady),
     )
-    label = f"{args.label}_" if args.label else ""
     for memory in (run_dir / "profile").glob("*_memory.md") if args.json else []:
         shutil.copy(
             memory, Path(args.json).with_name(f"profile_{label}case{case['index']}_{memory.name}")
@@ -197,6 +212,8 @@ def table(results: list[dict]) -> str:
     head = ["model", "layout", "GPUs", "recipe", "act. ckpt", "mbs"]
     head += (["documents"] if docs else []) + (["overrides"] if extra else [])
     head += ["tokens/s/GPU", "MFU", "peak GiB"]
+    retries = any(r.get("alloc_retries") for r in results)
+    head += ["alloc retries"] if retries else []
     rows = []
     for r in results:
         recipe = r["recipe"] + (" +q" if r["quantized_init"] else "")
@@ -207,10 +224,11 @@ def table(results: list[dict]) -> str:
         if extra:
             lead.append(" ".join(r.get("extra") or []) or "-")
         if "error" in r:
-            rows.append([*lead, f"FAILED: {str(r['error'])[:120]}", "", ""])
+            rows.append([*lead, f"FAILED: {str(r['error'])[:300]}", "", ""] + [""] * retries)
             continue
         mfu = benchlib.cell(r["mfu"], "{:.1%}")
-        rows.append([*lead, f"{r['tokens_per_s_per_gpu']:,.0f}", mfu, f"{r['peak_gib']:.1f}"])
+        row = [*lead, f"{r['tokens_per_s_per_gpu']:,.0f}", mfu, f"{r['peak_gib']:.1f}"]
+        rows.append(row + ([r["alloc_retries"]] if retries else []))
     return benchlib.table(head, rows)
 
 
@@ -228,6 +246,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repo", help="run another checkout's train.py (before/after comparisons)")
     p.add_argument("--profile-steps", help="e.g. 10-11: torch.profiler over those steps")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds a case may run; then its ranks print their stacks, it is stopped, and "
+        "its row says the last step it logged and where each rank was",
+    )
     p.add_argument("--json", help="append one JSON record per case to this file")
     p.add_argument("--label", default="", help="a name for these cases in the JSON records")
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every case")

@@ -13,9 +13,13 @@ small helpers. bench_loss.py times the loss functions in-process: it runs no tra
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from runtime import failure_line  # noqa: E402
+from runtime import STACK_SIGNAL, failure_line  # noqa: E402
 
 
 @dataclass
@@ -39,13 +43,23 @@ class Case:
     stderr: str
     #: <run_dir>/metrics.jsonl in file order (none when the run wrote none).
     records: list[dict] = field(default_factory=list)
+    #: Stopped at run_case's timeout (its stacks, when printed, are in stderr).
+    timed_out: bool = False
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
     def failure(self) -> str:
-        """The line of the output that says why the run failed (runtime.failure_line)."""
+        """The line of the output that says why the run failed (runtime.failure_line), or for
+        a run stopped at its timeout, how far it got and where its ranks were."""
+        if self.timed_out:
+            last = self.records[-1]["step"] if self.records else None
+            where = " | ".join(stack_summary(self.stderr))
+            reached = f"last logged step {last}" if last is not None else "no step logged"
+            return f"timed out after {self.seconds:.0f} s, {reached}" + (
+                f"; stacks: {where}" if where else ""
+            )
         return failure_line(self.stdout + "\n" + self.stderr)
 
     @property
@@ -75,22 +89,96 @@ def run_case(
     env: dict[str, str] | None = None,
     repo: Path | None = None,
     timeout: float | None = None,
+    log: Path | None = None,
 ) -> Case:
     """Run train.py with the overrides `args` in a new process (from `repo`, by default this
-    checkout; output captured, PYTHONUNBUFFERED=1, `env` added to the environment) and read
-    `run_dir`'s metrics.jsonl. A timeout raises subprocess.TimeoutExpired."""
+    checkout; PYTHONUNBUFFERED=1, `env` added to the environment) and read `run_dir`'s
+    metrics.jsonl. The output goes to files as it comes (`log` + ".out" / ".err" when given,
+    a temporary folder otherwise), so a run that is stopped still tells what it did.
+
+    `timeout` (seconds): a run still going then has its trainers' stacks printed into its
+    output (train.py dumps every thread on STACK_SIGNAL), then it is killed with its whole
+    process group; the Case has `timed_out` set and returncode -9."""
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        command(args, nproc),
-        cwd=repo or ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    seconds = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="bench_case_") as tmp:
+        base = Path(log) if log is not None else Path(tmp) / "case"
+        base.parent.mkdir(parents=True, exist_ok=True)
+        out_path, err_path = base.with_name(base.name + ".out"), base.with_name(base.name + ".err")
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                command(args, nproc),
+                cwd=repo or ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                stdout=out,
+                stderr=err,
+                text=True,
+                start_new_session=True,  # the run and its ranks: one group to stop together
+            )
+            timed_out = False
+            try:
+                returncode = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                returncode = stop_with_stacks(proc)
+        seconds = time.perf_counter() - t0
+        stdout, stderr = out_path.read_text(), err_path.read_text()
     records = read_metrics(Path(run_dir) / "metrics.jsonl") if run_dir is not None else []
-    return Case(proc.returncode, seconds, proc.stdout, proc.stderr, records)
+    return Case(returncode, seconds, stdout, stderr, records, timed_out=timed_out)
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def stop_with_stacks(proc: subprocess.Popen, grace: float = 3.0) -> int:
+    """A run past its time: STACK_SIGNAL to the trainers (the process itself, or torchrun's
+    workers: the launcher has no handler for it), `grace` seconds for them to print, then
+    SIGKILL to each of them and to the run's process group (torchrun starts its workers in
+    sessions of their own, so the group alone would leave them running). Returns -9."""
+    torchrun = "torch.distributed.run" in " ".join(map(str, proc.args))
+    trainers = _children(proc.pid) if torchrun else []
+    for pid in trainers or [proc.pid]:  # one at a time: their prints share one file
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACK_SIGNAL)
+        time.sleep(0.5)
+    time.sleep(grace)
+    for pid in trainers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return -signal.SIGKILL
+
+
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (\S+)')
+
+
+def stack_summary(text: str, frames: int = 4) -> list[str]:
+    """From the stacks faulthandler printed (one block per thread, innermost call first): for
+    each process's main thread ("Current thread", the one the signal interrupted), its
+    innermost `frames` calls as `file:line function`, innermost first."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("Current thread"):
+            continue
+        calls = []
+        for frame in lines[i + 1 :]:
+            m = _FRAME.match(frame)
+            if not m:
+                break
+            calls.append(f"{Path(m.group(1)).name}:{m.group(2)} {m.group(3)}")
+        out.append(" < ".join(calls[:frames]) or "(no frames)")
+    return out
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:

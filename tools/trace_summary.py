@@ -8,9 +8,14 @@ stream's busy time (union of its kernels) and the compute stream's idle time ins
 (the time the step waits on the host or on communication); the kernel time by kind (GEMM,
 attention, NCCL, FP8 quantization, TE elementwise, compiled, copies and casts, optimizer and
 foreach, other), on the compute stream and on all streams; how much of the compute stream's
-busy time runs while an NCCL kernel runs (kernels sharing the SMs with communication); and the
-kernels with the most time, each with the operators that launched most of it (outermost <
-innermost; the share when other operators launch the same kernel too).
+busy time runs while an NCCL kernel runs (kernels sharing the SMs with communication); each
+communication operation's time and how much of it the compute stream was busy beside (hidden
+behind compute; SendRecv is the context-parallel ring); the
+attention kernels by part (forward, the recompute of activation checkpointing, backward) and
+precision (fp8 when the kernel's name says so), with their calls per step: under context
+parallelism each ring step is one call per block; and the kernels with the most time, each
+with the operators that launched most of it (outermost < innermost; the share when other
+operators launch the same kernel too).
 
 The compute stream is the stream with the most non-NCCL kernel time.
 """
@@ -108,6 +113,23 @@ def _main_path(by_path: dict[str, float]) -> str:
     return path if share > 0.999 else f"{path} ({share:.0%}; {len(by_path) - 1} other paths)"
 
 
+_BACKWARD = re.compile(r"bprop|bwd|backward|dgrad", re.I)
+_FP8 = re.compile(r"fp8|f8|e4m3|e5m2", re.I)
+
+
+def attention_part(name: str, launched_by: str) -> str:
+    """An attention kernel's part of the step: "forward", "recompute" (a forward kernel that
+    autograd's backward launched: activation checkpointing) or "backward", with its precision
+    ("fp8" when the kernel's name says so, else "16-bit")."""
+    if _BACKWARD.search(name):
+        part = "backward"
+    elif "evaluate_function" in launched_by or "Backward" in launched_by:
+        part = "recompute"
+    else:
+        part = "forward"
+    return f"{part} {'fp8' if _FP8.search(name) else '16-bit'}"
+
+
 def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     # (event, kind, stream) of every device activity
@@ -135,14 +157,29 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
     kinds_all: dict = defaultdict(float)
     kinds_compute: dict = defaultdict(float)
     per_name: dict = {}  # name -> [ms, calls, {launch path: us}, kind]
+    attention: dict = defaultdict(lambda: [0.0, 0])  # part -> [ms, calls]
     for k, kind, stream in kernels:
         kinds_all[kind] += k["dur"] / 1e3
+        if kind == "attention":
+            path = paths.get(k.get("args", {}).get("correlation"), "")
+            part = attention[attention_part(k["name"], path)]
+            part[0] += k["dur"] / 1e3
+            part[1] += 1
         if stream == compute:
             kinds_compute[kind] += k["dur"] / 1e3
         row = per_name.setdefault(k["name"], [0.0, 0, defaultdict(float), kind])
         row[0] += k["dur"] / 1e3
         row[1] += 1
         row[2][paths.get(k.get("args", {}).get("correlation"), "?")] += k["dur"]
+    # Communication by operation (AllGather, ReduceScatter, SendRecv: context parallelism's
+    # ring, AllReduce, ...): its time, and how much of it the compute stream was busy beside.
+    nccl_ops: dict = defaultdict(list)
+    for k, kind, _ in kernels:
+        if kind == "nccl":
+            op = re.search(
+                r"(AllGather|ReduceScatter|AllReduce|SendRecv|Broadcast|AllToAll)", k["name"], re.I
+            )
+            nccl_ops[op.group(1) if op else "other"].append((k["ts"], k["ts"] + k["dur"]))
     tops = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     busy = union_ms(spans[compute])
     return {
@@ -158,6 +195,17 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
         },
         "kinds_compute_ms": {k: v / steps for k, v in kinds_compute.items()},
         "kinds_all_ms": {k: v / steps for k, v in kinds_all.items()},
+        "nccl": {
+            op: {
+                "ms": union_ms(v) / steps,
+                "beside_compute_ms": overlap_ms(v, spans[compute]) / steps,
+            }
+            for op, v in sorted(nccl_ops.items())
+        },
+        "attention": {
+            part: {"ms": ms / steps, "calls": calls / steps}
+            for part, (ms, calls) in sorted(attention.items())
+        },
         "top": [
             {
                 "name": name,
@@ -191,6 +239,14 @@ def render(s: dict) -> str:
             f"| {kind} | {s['kinds_compute_ms'].get(kind, 0.0):.1f} | "
             f"{s['kinds_all_ms'][kind]:.1f} |"
         )
+    if s.get("nccl"):
+        lines += ["", "| communication | ms | of it beside compute |", "| --- | --- | --- |"]
+        for op, v in s["nccl"].items():
+            lines.append(f"| {op} | {v['ms']:.1f} | {v['beside_compute_ms']:.1f} |")
+    if s.get("attention"):
+        lines += ["", "| attention kernels | ms | calls |", "| --- | --- | --- |"]
+        for part, v in s["attention"].items():
+            lines.append(f"| {part} | {v['ms']:.1f} | {v['calls']:.0f} |")
     lines += ["", "| kernel | kind | ms | calls | launched by |", "| --- | --- | --- | --- | --- |"]
     for t in s["top"]:
         lines.append(
