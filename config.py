@@ -65,6 +65,12 @@ class TrainConfig:
     #: Steps to record with torch.profiler (a contiguous range, e.g. [10,11,12]); the trace
     #: and a kernel table go to <run_dir>/profile/ (profiling.py). Empty: no profiling.
     profile_steps: list[int] = field(default_factory=list)
+    #: While profiling on a GPU, rank 0 also records the CUDA allocator's history with Python
+    #: stacks (profile/*_memory.md: what is alive at the peak, by the line that allocated it).
+    #: false leaves it out (a profiled step of llama3_8b at 71 of 80 GiB, its allocator
+    #: retrying every step, failed inside TE's recompute with this recording on: torch 2.11,
+    #: docs/CONTEXT_PARALLEL.md).
+    profile_memory: bool = True
     #: Deterministic GPU kernels (runtime.apply_determinism: TE attention, cuBLAS, cuDNN,
     #: torch's deterministic algorithms), so two runs, or a run and its resume, give the same
     #: losses bit for bit on the same GPUs and world size; costs some speed and memory
@@ -448,6 +454,7 @@ RESUME_FREE = (
     "train.log_every",
     "train.peak_tflops",
     "train.profile_steps",
+    "train.profile_memory",
     "train.deterministic",
     "train.dry_run",
     "train.eval_only",

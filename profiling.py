@@ -7,10 +7,11 @@ open it in https://ui.perfetto.dev or chrome://tracing) and `...txt`, the operat
 of those steps sorted by their device time (CPU time on CPU runs). Steps outside the list run
 unprofiled, so the trace shows the steady state when the list starts after warm-up.
 
-On a GPU, rank 0 also records the CUDA caching allocator's history over those steps and writes
-`...memory.md`: the memory allocated when the first listed step began (weights, optimizer
-states, what the previous step left), the peak within the steps, and the allocations alive at
-that peak grouped by the Python line that made them (`memory_summary`).
+On a GPU, rank 0 also records the CUDA caching allocator's history over those steps (unless
+`train.profile_memory=false`) and writes `...memory.md`: the memory allocated when the first
+listed step began (weights, optimizer states, what the previous step left), the peak within the
+steps, and the allocations alive at that peak grouped by the Python line that made them
+(`memory_summary`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ class StepProfiler:
     """`begin(step)` before a step's work and `end(step)` after it; profiles the steps in
     `steps` (a contiguous range: first to last)."""
 
-    def __init__(self, steps, run_dir: Path, rank: int, device: torch.device):
+    def __init__(self, steps, run_dir: Path, rank: int, device: torch.device, memory=True):
         self.steps = sorted(int(s) for s in steps)
         self.run_dir, self.rank, self.device = Path(run_dir), rank, device
+        self.memory = memory  # rank 0 records the allocator's history (train.profile_memory)
         self._prof = None
 
     def begin(self, step: int) -> None:
@@ -38,7 +40,7 @@ class StepProfiler:
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
         self._prof.__enter__()
         self._memory_base = None
-        if self.device.type == "cuda" and self.rank == 0:
+        if self.device.type == "cuda" and self.rank == 0 and self.memory:
             torch.cuda.synchronize(self.device)
             self._memory_base = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")

@@ -347,6 +347,36 @@ def lost_peer_line(error: BaseException, timeout_s: int) -> str | None:
     return None
 
 
+def out_of_memory_line(error: BaseException) -> str:
+    """The one line for this rank's GPU running out of memory: where (torch's first three
+    sentences: what it tried to allocate, what the GPU holds) and what frees memory."""
+    rank = f"rank {os.environ.get('RANK', 0)} of {os.environ.get('WORLD_SIZE', 1)}"
+    what = " ".join(re.split(r"(?<=\.) ", str(error).strip())[:3])
+    return (
+        f"{rank} ran out of GPU memory: {what} Recompute more in backward "
+        "(parallel.activation_checkpointing=selective, mlp or full), lower "
+        "train.micro_batch_size, or spread the work over more GPUs (parallel.cp, parallel.tp); "
+        "`train.dry_run=true` prints the memory estimate"
+    )
+
+
+def end_process_group(failed: bool) -> None:
+    """The end of this process's group. After a failure (an exception on this rank, or a
+    non-zero status) NCCL's destroy can wait for collectives that the other ranks are still
+    inside, and they wait for this rank: the job hangs with the error printed and no process
+    ending, so the launcher never learns of it (issue 56: two of four ranks ran out of memory
+    in step 1, the other two sat in an all-reduce until parallel.collective_timeout_s). There
+    the communicators are aborted instead: this process exits, and torchrun, seeing a failed
+    worker, stops the others. A clean end destroys the group as usual. (gloo's ranks see a
+    closed connection at once and need neither.)"""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def check_determinism(on: bool, impl: str, document_mask: bool, device: torch.device) -> None:
     """What train.deterministic cannot keep fast, refused in one line before any work. On
     sm_90, TE 2.20 has no deterministic fused backward for document-masked (THD) attention
@@ -568,14 +598,15 @@ def receivers(ranks: list[int], world_size: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world_size}"
 
 
-def report_error(line: str, every_node: bool = False) -> None:
+def report_error(line: str, every_node: bool = False, this_rank: bool = False) -> None:
     """A run that cannot go on, in one line: printed by rank 0 (every rank usually finds the
     same error) as `error: <line>`, and, under torchrun, written to this worker's error file,
     so the launcher's failure summary (which follows the worker's output) names this line as
     the failure's cause instead of pointing at how to get a traceback. `every_node`: by the
-    first rank of each node instead (rank 0 may be on a node that died)."""
+    first rank of each node instead (rank 0 may be on a node that died); `this_rank`: by
+    this rank, whichever it is (an error of its own, such as its GPU's memory)."""
     who = "LOCAL_RANK" if every_node else "RANK"
-    if int(os.environ.get(who, 0)) == 0:
+    if this_rank or int(os.environ.get(who, 0)) == 0:
         print(f"error: {line}", file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):

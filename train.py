@@ -95,8 +95,10 @@ from runtime import (
     collective_timeout,
     cpu_note,
     deterministic_env,
+    end_process_group,
     exit_status,
     lost_peer_line,
+    out_of_memory_line,
     peak_memory_gb,
     pick_device,
     pin_cpu_arithmetic,
@@ -733,7 +735,9 @@ def _build(loop: Loop, tokenizer, resume_from: int, hf_weights, threads_line) ->
         eval_every=cfg.eval.every if loop.eval_batches is not None else 0,
     )
     loop.layout = batch_layout(loop.loader, dims, loop.impl)
-    loop.profiler = StepProfiler(cfg.train.profile_steps, loop.run_dir, loop.rank, device)
+    loop.profiler = StepProfiler(
+        cfg.train.profile_steps, loop.run_dir, loop.rank, device, cfg.train.profile_memory
+    )
     loop.model.train()
 
 
@@ -1036,6 +1040,10 @@ def main(dcfg: DictConfig) -> int:
             flush=True,
         )
         status = 1
+    except torch.OutOfMemoryError as e:
+        # This rank's own error (other ranks may have room): its line, from this rank.
+        report_error(out_of_memory_line(e), this_rank=True)
+        status = 1
     except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
         # A collective whose peer died (or hangs past parallel.collective_timeout_s): one line
         # from each surviving node, not a traceback of the step it failed in.
@@ -1089,8 +1097,10 @@ def cli(argv: list[str]) -> int:
         report_error(str(e))
         return 2
     sys.argv = [sys.argv[0], *sweep.cli_args(argv)]
+    failed = True  # until main returns: an exception (Hydra's sys.exit on one too) is a failure
     try:
         main()
+        failed = exit_status(STATUSES) not in (0, EXIT_REQUEUE)
     except KeyboardInterrupt:
         # A Ctrl-C before a run installed its handler (composing the config) or between the
         # jobs of a sweep: nothing of a run is in flight.
@@ -1098,8 +1108,7 @@ def cli(argv: list[str]) -> int:
             print("interrupted: stopped before a run started", file=sys.stderr, flush=True)
         STATUSES.append(EXIT_INTERRUPTED)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group(failed)  # a failed rank aborts: the launcher must see it exit
     if len(STATUSES) > 1 and rank0:
         print(f"sweep: {len(STATUSES)} jobs, exit statuses {STATUSES}", flush=True)
     return exit_status(STATUSES)

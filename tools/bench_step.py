@@ -39,7 +39,7 @@ session); `--profile-steps 10-11` records those steps with torch.profiler (train
 a GPU, rank 0's memory at the peak of those steps by allocation site next to the JSON.
 `--timeout S` stops a case after S seconds: its ranks first print their stacks (train.py's
 `kill -USR2`), and its row says the last step it logged and where each rank was; with
-`--json`, each case's output is kept beside it (`case<i>.out`, `case<i>.err`) as it runs.
+`--json`, each case's output is kept beside it (`<json stem>_case<i>.out`, `.err`) as it runs.
 """
 
 from __future__ import annotations
@@ -153,7 +153,10 @@ def run_case(case: dict, args, run_root: str) -> dict:
     repo = Path(args.repo).resolve() if args.repo else ROOT
     run_dir = Path(run_root) / f"bench{case['index']}"
     label = f"{args.label}_" if args.label else ""
-    log = Path(args.json).with_name(f"{label}case{case['index']}") if args.json else None
+    # named after the JSON file too: two benchmarks writing beside each other keep their logs
+    log = None
+    if args.json:
+        log = Path(args.json).with_name(f"{Path(args.json).stem}_{label}case{case['index']}")
     ran = benchlib.run_case(
         overrides(case, args.nproc, args, run_root),
         run_dir=run_dir,
