@@ -26,7 +26,7 @@ from config import OptimConfig
 from data.loader import PackedLoader
 from optim import build_scheduler, lr_lambda
 from runlog import load_run
-from tools import compare_runs, tt_metrics
+from tools import compare_runs, tt_metrics, tt_peercurve
 from tools.tt_peercurve import SameOrderDataset, pack_documents, rank_sample_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,6 +394,112 @@ def test_packing_is_this_recipes():
         n = len(stream) // (seq + 1)
         expect = stream[: n * (seq + 1)].reshape(n, seq + 1)
         assert np.array_equal(pack_documents(docs, seq), expect)
+
+
+# --------------------------------------------------------------------------------------
+# tools/tt_peercurve.py: the flavors, the shared samples, the text
+
+
+def tt_param_count(s) -> int:
+    """Parameters of torchtitan's Transformer of a PeerShape, counted from its layers: the
+    embedding, per block wq/wk/wv/wo, w1/w2/w3 and two norms, the final norm, the output."""
+    head = s.dim // s.n_heads
+    hidden = tt_peercurve.tt_ffn_dim(s.dim, s.multiple_of, s.ffn_multiplier)
+    attention = s.dim * head * (2 * s.n_heads + 2 * s.n_kv_heads)
+    block = attention + 3 * s.dim * hidden + 2 * s.dim
+    return 2 * s.vocab_size * s.dim + s.n_layers * block + s.dim
+
+
+@pytest.mark.parametrize("flavor", sorted(tt_peercurve.PEER_SHAPES))
+def test_each_flavor_is_the_same_shape_on_both_sides(flavor):
+    """torchtitan's FFN width from multiple_of and the multiplier is this recipe's ffn_dim, and
+    the overrides build this recipe's model with torchtitan's parameter count. (80M, counted
+    once on CPU by torchtitan v0.2.2 itself: 78,662,400, and its logits from the export equal
+    this recipe's to 3e-6: docs/PEER_CURVE.md.)"""
+    from config import compose_config
+    from model import build_model
+
+    s = tt_peercurve.PEER_SHAPES[flavor]
+    assert tt_peercurve.tt_ffn_dim(s.dim, s.multiple_of, s.ffn_multiplier) == s.ffn_dim
+    cfg = compose_config(tt_peercurve.ours_overrides(flavor, 4096))
+    m = cfg.model
+    shape = (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
+    assert shape == (s.dim, s.n_layers, s.n_heads, s.n_kv_heads, s.ffn_dim, s.vocab_size)
+    assert not m.tie_embeddings and m.rope_scaling.factor == 8.0 and m.rope_theta == 500000.0
+    assert m.max_seq_len >= 4096
+    with torch.device("meta"):
+        model = build_model(m, "torch")
+    assert sum(p.numel() for p in model.parameters()) == tt_param_count(s)
+    if flavor == "80M":
+        assert tt_param_count(s) == 78_662_400
+
+
+def test_samples_cache_and_parallel_encoding(tmp_path):
+    """The packed samples: the same from 1 or 2 worker processes; a cache entry keyed by the
+    bytes of the data and tokenizer files and the sample length (not by how the folder is
+    named), written once and then read."""
+    from data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+
+    def encode(text):  # torchtitan's encode(text, add_bos=True, add_eos=True)
+        return [tok.bos_id, *tok.encode(text), tok.eos_id]
+
+    texts = [f"def f{i}():\n    return {i} * {i}\n" * (i % 5 + 1) for i in range(40)]
+    one = tt_peercurve.encode_documents(texts, encode, workers=1)
+    assert tt_peercurve.encode_documents(texts, encode, workers=2) == one
+    data, tokenizer = tmp_path / "text", tmp_path / "tok"
+    data.mkdir()
+    tokenizer.mkdir()
+    (data / "data.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tokenizer / "tokenizer.json").write_text("{}")
+    key = tt_peercurve.samples_key(data, tokenizer, 16)
+    made = []
+
+    def make():
+        made.append(1)
+        return tt_peercurve.pack_documents(one, 16)
+
+    samples, hit = tt_peercurve.cached_samples(tmp_path / "cache", key, make)
+    assert not hit and samples.shape[1] == 17 and len(made) == 1
+    again, hit = tt_peercurve.cached_samples(tmp_path / "cache", key, make)
+    assert hit and len(made) == 1 and np.array_equal(again, samples)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{key}.npy"]
+    relative = Path(*[".."] * len(Path.cwd().parts)) / data.relative_to("/")
+    assert tt_peercurve.samples_key(relative, tokenizer, 16) == key
+    assert tt_peercurve.samples_key(data, tokenizer, 32) != key
+    (tokenizer / "tokenizer.json").write_text("{ }")
+    assert tt_peercurve.samples_key(data, tokenizer, 16) != key
+
+
+def test_text_from_python_sources(tmp_path, monkeypatch):
+    """`text`: the .py files of a source in sorted depth-first order, without byte code, text
+    that is not UTF-8, empty files or files holding a special token's text, until the bytes
+    asked for."""
+    pkg = tmp_path / "src" / "pkgx"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__pycache__").mkdir()
+    files = {
+        "__init__.py": "x = 1\n",
+        "b.py": "def b():\n    pass\n",
+        "a.py": "A = 'é'\n",
+        "sub/c.py": "c = 3\n" * 10,
+        "sub/empty.py": "\n",
+        "sub/special.py": "EOS = '<|end_of_text|>'\n",
+        "__pycache__/d.py": "d = 4\n",
+        "notes.txt": "not python\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    (pkg / "latin.py").write_bytes(b"s = '\xe9'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    info = tt_peercurve.write_text(tmp_path / "out", 10_000, ["pkgx"])
+    docs = [json.loads(line)["text"] for line in (tmp_path / "out" / "data.json").open()]
+    assert docs == [files["__init__.py"], files["a.py"], files["b.py"], files["sub/c.py"]]
+    assert info["files"] == 4 and not info["enough"]
+    assert info["bytes"] == sum(len(d.encode()) for d in docs)
+    small = tt_peercurve.write_text(tmp_path / "small", 10, ["pkgx"])
+    assert small["files"] == 2 and small["enough"]  # __init__.py (6 bytes), a.py (9)
 
 
 # --------------------------------------------------------------------------------------
