@@ -64,7 +64,7 @@ def null_k(n_a: int, n_b: int, ratio: float, draws: int, rng: np.random.Generato
     return spread_statistic(a, b)[2]
 
 
-def threshold(n_a: int, n_b: int, draws: int = 200_000, seed: int = 0) -> float:
+def threshold(n_a: int, n_b: int, draws: int = 1_000_000, seed: int = 0) -> float:
     """The largest over SD_RATIOS (over r = 1 alone with one run on a side) of the
     1 - NOISE_ALARM_RATE quantile of k under no difference."""
     if n_a + n_b < 3:
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("thresholds", help="print NOISE_THRESHOLDS (runlog.py)")
-    t.add_argument("--draws", type=int, default=200_000, help="draws per ratio of spreads")
+    t.add_argument("--draws", type=int, default=1_000_000, help="draws per ratio of spreads")
     r = sub.add_parser("rates", help="false alarms and detections on simulated curves")
     r.add_argument("--draws", type=int, default=20_000, help="draws per cell")
     r.add_argument("--runs", type=int, nargs="+", default=[2, 3, 4], help="runs a side")
