@@ -759,11 +759,14 @@ peercurve() {
     else
         # The initial weights, once: this recipe's seeded init through one step at lr 1e-9
         # (which leaves them as they were, to fp32 rounding), its checkpoint exported in fp32.
-        # The step also prepares this recipe's token cache for every run.
-        read -r _ _ c _ <<< "${names[0]}"
+        # The step also prepares this recipe's token cache for every run, and (with the first
+        # case's batch, when it fits one GPU) compiles its loss kernels for those shapes.
+        local gb
+        read -r _ _ c r gb <<< "${names[0]}"
+        ((r == 1 && PC_NPROC == 1)) || gb=1
         read -r -a r <<< "${PC_MODEL[$c]}"
         CUDA_VISIBLE_DEVICES=${lanes[0]%%,*} timeout 300 "$PY" train.py "${PC_COMMON[@]}" "${r[@]}" \
-            recipe=bf16 optim.lr=1e-9 data.seq_len="$c" train.global_batch_size=1 train.steps=1 \
+            recipe=bf16 optim.lr=1e-9 data.seq_len="$c" train.global_batch_size="$gb" train.steps=1 \
             run.name=init > "$PC_OUT/init.log" 2>&1 \
             && "$PY" tools/convert_hf.py export "$PC_ROOT/runs/init" "$PC_ROOT/hf" --dtype fp32 \
                 >> "$PC_OUT/init.log" 2>&1
