@@ -644,7 +644,7 @@ def test_the_stage_in_its_smallest_form_on_cpu(tmp_path):
     rc, log = run_stage(root, out)
     assert rc == 0, log
     assert "plan: 1 case(s) (bf16:64) x (2 ours-again + 2 ours) = 4 runs of 4 steps" in log
-    assert "2 at a time: 2 waves" in log and "initial weights in" in log
+    assert "2 at a time: 2 wave(s)" in log and "initial weights in" in log
     row = "| bf16-64-cp1 | 2 | 0.0e+00 <= 0.001 | "
     assert row in log and "same: the runs are identical" in log and "within (±1.0%)" in log
     assert (out / "peercurve_verdict.md").read_text().count(row) == 1

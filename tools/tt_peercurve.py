@@ -455,7 +455,8 @@ def write_text(out_dir: Path, target_bytes: int, sources: Sequence[str]) -> dict
 
 def pack_main(args) -> int:
     """Tokenize the dataset once with torchtitan's tokenizer and store its samples for each
-    sample length (needs torchtitan importable); --check-ours: this recipe's tokenizer too."""
+    sample length (needs torchtitan importable); --check-ours: this recipe's tokenizer too,
+    exit status 3 when a document's ids differ."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import _validate_dataset
 
@@ -488,7 +489,7 @@ def pack_main(args) -> int:
                 f"pack: document {i} is tokenized differently by this recipe ({len(b)} ids) and "
                 f"torchtitan ({len(a)} ids): the two runs would read different samples"
             )
-            return 1
+            return 3
     print(f"pack: this recipe's tokenizer gives the same {tokens:,} tokens")
     return 0
 

@@ -711,7 +711,7 @@ peercurve() {
     local waves=$(((${#PC_JOBS[@]} + n_lanes - 1) / n_lanes)) tokens=$((PC_STEPS * PC_TOKENS))
     echo "plan: ${#cases[@]} case(s) (${cases[*]}) x ($PC_RUNS $PC_REF_NAME + $PC_RUNS ours) =" \
         "${#PC_JOBS[@]} runs of $PC_STEPS steps x $PC_TOKENS tokens ($tokens tokens each), flavor" \
-        "$PC_FLAVOR, $PC_NPROC GPU(s) a run on $device, $n_lanes at a time: $waves waves"
+        "$PC_FLAVOR, $PC_NPROC GPU(s) a run on $device, $n_lanes at a time: $waves wave(s)"
     local queue=() job
     for job in "${PC_JOBS[@]}"; do read -r c side i _ <<< "$job"; queue+=("$c.$side$i"); done
     echo "plan: queue ${queue[*]}"
@@ -747,11 +747,13 @@ peercurve() {
         [[ -n ${PC_MODEL[$r]:-} ]] || PC_MODEL[$r]=$("$PY" tools/tt_peercurve.py overrides "$PC_FLAVOR" --seq-len "$r")
     done
     if [[ $PC_REFERENCE == torchtitan ]]; then
-        # torchtitan's tokenization, once for every run (and this recipe's, to check them equal).
+        # torchtitan's tokenization, once for every run (and this recipe's, to check them equal);
+        # torchtitan's package is in /tmp/tt (.peers/setup.sh puts only its wheels on the path).
         local seqs=() folder=${text%/*}
         for line in "${names[@]}"; do read -r _ _ r _ <<< "$line"; seqs+=("$r"); done
-        "$PY" tools/tt_peercurve.py pack --dataset-path "$folder" --tokenizer "$PC_TOKENIZER" \
-            --seq-len "${seqs[@]}" --cache "$PC_ROOT/samples-tt" --check-ours > "$PC_OUT/pack.log" 2>&1 &
+        PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" "$PY" tools/tt_peercurve.py pack \
+            --dataset-path "$folder" --tokenizer "$PC_TOKENIZER" --seq-len "${seqs[@]}" \
+            --cache "$PC_ROOT/samples-tt" --check-ours > "$PC_OUT/pack.log" 2>&1 &
         pack_pid=$!
     fi
     if [[ -f $PC_ROOT/hf/config.json ]]; then
@@ -777,8 +779,15 @@ peercurve() {
         echo "initial weights in $PC_ROOT/hf at $((SECONDS - t0)) s"
     fi
     if [[ -n $pack_pid ]]; then
-        wait "$pack_pid" || { cat "$PC_OUT/pack.log"; echo "peercurve: the samples differ or were not packed"; status=1; return; }
+        local packed=0
+        wait "$pack_pid" || packed=$?
         cat "$PC_OUT/pack.log"
+        if ((packed == 3)); then
+            echo "peercurve: the two tokenizers read the text differently: not run"; status=1; return
+        elif ((packed != 0)); then
+            # Not packed ahead: each torchtitan run then tokenizes the text itself (slower).
+            echo "peercurve: pack failed (exit $packed; tail of $PC_OUT/pack.log above); torchtitan's runs tokenize on their own"
+        fi
     fi
     local begun=$SECONDS
     echo "runs begin at $begun s"
