@@ -534,7 +534,7 @@ pc_ours() {  # devices nproc name recipe seq cp gb timeout: this recipe's train.
     [[ $4 == fp8 ]] && ours=(recipe=fp8_cs recipe.quantized_init=true)
     (($2 > 1)) && launch=(torchrun --standalone --nproc_per_node="$2")
     read -r -a model <<< "${PC_MODEL[$5]}"
-    CUDA_VISIBLE_DEVICES=$1 timeout "$8" "${launch[@]}" train.py "${PC_COMMON[@]}" "${model[@]}" \
+    CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$8" "${launch[@]}" train.py "${PC_COMMON[@]}" "${model[@]}" \
         "${ours[@]}" data.seq_len="$5" parallel.cp="$6" train.global_batch_size="$7" \
         optim.lr="$PC_LR" train.steps="$PC_STEPS" train.log_every=1 model.init_from="$PC_ROOT/hf" \
         checkpoint=none run.name="$3" "${PC_OURS_EXTRA[@]}" > "$PC_OUT/$3.log" 2>&1
@@ -554,7 +554,7 @@ pc_tt() {  # devices nproc name recipe seq cp gb timeout: torchtitan's trainer (
     (cd /tmp/tt && CUDA_VISIBLE_DEVICES=$1 PYTORCH_ALLOC_CONF=expandable_segments:True \
         TT_PEERCURVE_CACHE="$PC_ROOT/samples-tt" \
         PYTHONPATH="$PC_REPO/tools:$PC_REPO/.peers:/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" \
-        env "${PC_TT_ENV[@]}" timeout "$8" torchrun --standalone --nproc_per_node="$2" --local-ranks-filter 0 \
+        env "${PC_TT_ENV[@]}" timeout -k 10 "$8" torchrun --standalone --nproc_per_node="$2" --local-ranks-filter 0 \
         --role rank --tee 3 -m torchtitan.train --job.config_file "$PC_REPO/.peers/tt_llama3.toml" \
         --job.dump_folder "$PC_ROOT/tt-$3" --experimental.custom_import tt_peercurve \
         --model.name "$spec" --model.flavor "$PC_FLAVOR" --training.seq_len "$5" \
