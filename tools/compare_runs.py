@@ -5,6 +5,8 @@
     python tools/compare_runs.py runs/bf16 runs/fp8_cs --metrics loss,val_loss --rtol 2e-2
     python tools/compare_runs.py runs/a me/te-llama/3xk2p9aa --plot a.png --smooth 20 --logy
     python tools/compare_runs.py runs/lr1 runs/lr2 --metrics val_loss --plot v.png --x tokens
+    python tools/compare_runs.py runs/a1 runs/a2 runs/a3 --vs runs/b1 runs/b2 runs/b3 \
+        --names bf16,fp8 --window 501:1000 --plot ab.png --smooth 20
 
 The first run is the reference; every other run is compared with it on the steps both
 logged. Per metric it prints the number of common steps, the max absolute and relative
@@ -25,6 +27,22 @@ second: the largest relative difference of their last-50 means from the first's,
 larger), and the 20-step trailing means (`moving_average`, as the plot draws them) within 3%
 at every common step. It prints a table and exits 1 when a bound is exceeded.
 
+`--vs` compares two groups of runs against their noise: the runs before it are group A, the
+runs after it group B (one or more each). Each run is reduced to its mean over a window of
+steps (`--window FIRST:LAST`; default the second half of the steps every run logged); d is
+the difference of the group means, s the pooled spread of the runs around their own group's
+mean, and the groups "differ" when k = |d| / s is above a threshold for their sizes
+(runlog.NOISE_THRESHOLDS, simulated by tools/noise_sim.py: at most 5% false alarms whatever
+the ratio of the two groups' spreads). The verdict is one line, "same within noise:
+difference d, spread s between runs of a group" or "differs: d = k x the spread"; with one
+run a side it cannot decide, and says how many runs a side would (at the spread `--spread`
+assumes). `--bound B` also says whether the interval d ± threshold x s lies within ±B of A's
+mean (then the exit status follows that: the difference is shown to be smaller than B);
+`--first-rtol R` checks the group means at the first common step (the same start and first
+batch); `--json FILE` appends the verdict as a JSON line; `--names A,B` names the groups.
+With `--plot`, each group's mean curve and the band its runs span, and every run against
+A's mean, with the window and the verdict. docs/RUNS.md says how to use it.
+
 `--plot FILE` also writes a PNG: per metric, the curves and each run minus the reference.
 `--smooth N` draws each curve as the trailing moving average of its last N logged points
 (the mean of points i-N+1..i; fewer at the start); the report always uses the raw values.
@@ -36,11 +54,14 @@ A run is any of:
   - a run directory (`runs/<name>/`) holding `metrics.jsonl`, or that file itself;
   - a wandb offline run inside a run directory (`runs/<name>/wandb/` or one of its
     `offline-run-*` directories): read as that run directory's metrics.jsonl;
-  - `entity/project/run_id` of an online wandb run (full history through wandb.Api).
+  - `entity/project/run_id` of an online wandb run (full history through wandb.Api);
+  - a CSV exported from a wandb chart: one run per "<run> - <metric>" column.
+Legends name runs shortly (the run directory's or file's name; `--labels` to choose).
 
 Exit status: 0 when the runs agree (or when no check was asked for), 1 when `--assert-equal`,
 `--exact` or `--rtol/--atol` was given and a metric differs beyond tolerance on a common step,
-when `--peer-bounds` was given and a bound is exceeded, or the
+when `--peer-bounds` was given and a bound is exceeded, when `--vs` finds the groups
+different or cannot decide (with `--bound`: unless the difference is shown within it), or the
 runs share no step for it (a comparison that compares nothing does not pass), or
 `--same-steps` was given and the step sets differ; 2 for bad input (a path that is not a
 run, a metric no run logged, `--x tokens` on a run without tokens_seen, `--plot` without
@@ -48,12 +69,13 @@ matplotlib). Steps only one run logged are listed but do not fail a check unless
 `--same-steps` is given.
 
 The reading and the comparison are the library module runlog.py (`load_run`, `compare`,
-`Report`); this file is its command line and the plot.
+`Report`, `compare_groups`); this file is its command line and the plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -66,9 +88,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runlog import (  # noqa: E402
     CompareError,
+    NoiseVerdict,
     Run,
     compare,
-    load_run,
+    compare_groups,
+    load_runs,
     metric_value,
     nondeterministic_gpu_segments,
     recipe_switches,
@@ -132,10 +156,13 @@ def plot(
     smooth: int = 1,
     logy: bool = False,
     x: str = "step",
+    names: Mapping[str, str] | None = None,
 ) -> Path:
-    """PNG with one row per metric: the curves, and each run minus the reference."""
+    """PNG with one row per metric: the curves, and each run minus the reference. names: the
+    legends' short name of each run (default: its label)."""
     plt = _pyplot()
     labels = list(runs)
+    names = {label: (names or {}).get(label, label) for label in labels}
     ref = runs[labels[0]]
     xlabel = "tokens seen" if x == "tokens" else "step"
     note = f" (moving average of {smooth})" if smooth > 1 else ""
@@ -148,7 +175,7 @@ def plot(
             curves.plot(
                 _x_values(runs[label], steps, x, label),
                 moving_average(values, smooth),
-                label=label,
+                label=names[label],
                 linewidth=1,
             )
         if logy:
@@ -163,10 +190,11 @@ def plot(
             diffs.plot(
                 _x_values(runs[label], steps, x, label),
                 moving_average(delta, smooth),
-                label=f"{label} - {labels[0]}",
+                label=f"{names[label]} - {names[labels[0]]}",
                 linewidth=1,
             )
-        for _, where, text in switch_marks(runs, x):  # the step after which the recipe changed
+        # the step after which the recipe changed
+        for _, where, text in switch_marks({names[k]: runs[k] for k in labels}, x):
             for ax in (curves, diffs):
                 ax.axvline(where, color="gray", linestyle="--", linewidth=0.8)
             curves.annotate(
@@ -181,6 +209,10 @@ def plot(
         diffs.axhline(0.0, color="gray", linewidth=0.5)
         diffs.set(xlabel=xlabel, ylabel=f"{metric} difference", title=f"{metric} - reference")
         diffs.legend(fontsize="small")
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +283,7 @@ def peer_bounds(
             + ("" if same_first_batch else " (different batches: not checked)"),
             _rel(ref[0], oth[0]),
             PEER_STEP1_RTOL,
-            f"{oth[0]:.5f} vs {ref[0]:.5f}",
+            f"{ref[0]:.5f} vs {oth[0]:.5f}",
             checked=same_first_batch,
         )
     )
@@ -271,7 +303,7 @@ def peer_bounds(
             f"mean of the last {n} common steps: relative difference",
             _rel(mean_ref, mean_oth),
             bound,
-            f"{mean_oth:.5f} vs {mean_ref:.5f} (steps {steps[-n]}-{steps[-1]}){spread_note}",
+            f"{mean_ref:.5f} vs {mean_oth:.5f} (steps {steps[-n]}-{steps[-1]}){spread_note}",
         )
     )
     smooth_ref, smooth_oth = moving_average(ref, window), moving_average(oth, window)
@@ -282,7 +314,7 @@ def peer_bounds(
             f"{window}-step trailing means: largest relative difference",
             worst,
             PEER_WINDOW_RTOL,
-            f"at step {at}: {smooth_oth[i]:.5f} vs {smooth_ref[i]:.5f} ({len(steps)} common steps)",
+            f"at step {at}: {smooth_ref[i]:.5f} vs {smooth_oth[i]:.5f} ({len(steps)} common steps)",
         )
     )
     return rows
@@ -301,6 +333,156 @@ def format_peer_rows(rows: Sequence[PeerRow], reference: str, other: str, metric
 
 
 # --------------------------------------------------------------------------------------
+# Two groups against their noise (--vs)
+
+GROUP_COLORS = ("tab:blue", "tab:orange")
+
+
+def _common_steps(runs: Sequence[Run], metric: str) -> list[int]:
+    steps = sorted(set.intersection(*(steps_with(r, metric) for r in runs)))
+    if not steps:
+        raise CompareError(f"--plot: the runs share no step with {metric}")
+    return steps
+
+
+def plot_groups(
+    groups: Mapping[str, Mapping[str, Run]],
+    metrics: Sequence[str],
+    path: str | Path,
+    *,
+    smooth: int = 1,
+    logy: bool = False,
+    x: str = "step",
+    verdicts: Mapping[str, NoiseVerdict] | None = None,
+) -> Path:
+    """PNG with one row per metric: each group's mean curve and the band its runs span (min to
+    max, after smoothing), and every run's relative difference from the first group's mean,
+    coloured by group, with the window and the verdict where one was made for the metric."""
+    import textwrap
+
+    import numpy as np
+
+    plt = _pyplot()
+    names = list(groups)
+    xlabel = "tokens seen" if x == "tokens" else "step"
+    note = f" (moving average of {smooth})" if smooth > 1 else ""
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(12, 3.9 * len(metrics)), squeeze=False)
+    for row, metric in enumerate(metrics):
+        curves, diffs = axes[row]
+        steps = _common_steps([r for g in groups.values() for r in g.values()], metric)
+        first_label, first_run = next(iter(groups[names[0]].items()))
+        xs = _x_values(first_run, steps, x, first_label)
+        reference = np.mean([_curve(r, steps, metric) for r in groups[names[0]].values()], axis=0)
+        for name, color in zip(names, GROUP_COLORS):
+            runs = groups[name]
+            raw = np.array([_curve(r, steps, metric) for r in runs.values()])
+            smoothed = np.array([moving_average(list(v), smooth) for v in raw])
+            n = len(runs)
+            curves.plot(
+                xs, smoothed.mean(0), color=color, linewidth=1, label=f"{name}: mean of {n}"
+            )
+            if n > 1:
+                curves.fill_between(
+                    xs, smoothed.min(0), smoothed.max(0), color=color, alpha=0.25, linewidth=0
+                )
+            for i, values in enumerate(raw):
+                relative = list(100 * (values - reference) / np.abs(reference))
+                diffs.plot(
+                    xs,
+                    moving_average(relative, smooth),
+                    color=color,
+                    linewidth=0.8,
+                    label=f"{name} ({n} runs)" if i == 0 else None,
+                )
+        if logy:
+            curves.set_yscale("log")
+        curves.set(xlabel=xlabel, ylabel=metric, title=f"{metric}{note}: group means, runs' range")
+        curves.legend(fontsize="small")
+        diffs.axhline(0.0, color="gray", linewidth=0.5)
+        title = f"{metric}: each run against {names[0]}'s mean (%)"
+        verdict = (verdicts or {}).get(metric)
+        if verdict is not None:
+            where = _x_values(first_run, [verdict.steps[0], verdict.steps[-1]], x, first_label)
+            diffs.axvspan(*where, color="gray", alpha=0.12, linewidth=0, label="window")
+            title += "\n" + textwrap.fill(verdict.summary(), 80)
+        diffs.set(xlabel=xlabel, ylabel=f"{metric} difference (%)")
+        diffs.set_title(title, fontsize="small")
+        diffs.legend(fontsize="small")
+    return _save(plt, fig, path)
+
+
+def _fraction(text: str) -> float:
+    """A fraction given as 0.01 or 1%."""
+    text = text.strip()
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction >= 0 (0.01 or 1%)")
+    return value
+
+
+def _steps_window(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        window = (int(first), int(last)) if sep else None
+    except ValueError:
+        window = None
+    if window is None or window[0] > window[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: FIRST:LAST, two steps, FIRST <= LAST")
+    return window
+
+
+def first_step_line(
+    groups: Mapping[str, Mapping[str, Run]], metric: str, rtol: float
+) -> tuple[str, bool]:
+    """The groups' means at the first step every run logged, and whether they agree within
+    rtol (the same start and first batch: the noise has not begun)."""
+    runs = [r for g in groups.values() for r in g.values()]
+    step = _common_steps(runs, metric)[0]
+    (name_a, a), (name_b, b) = (
+        (name, statistics.fmean(metric_value(r[step], metric) for r in g.values()))
+        for name, g in groups.items()
+    )
+    rel = _rel(a, b)
+    ok = rel <= rtol
+    return (
+        f"step {step}: {name_a} {a:.6g}, {name_b} {b:.6g} (group means): relative difference "
+        f"{rel:.1e} {'<=' if ok else 'EXCEEDS'} {rtol:g}",
+        ok,
+    )
+
+
+def verdict_record(verdict: NoiseVerdict, first: tuple[str, bool] | None) -> dict:
+    """One JSON line of `--json`: the verdict in numbers (relative ones as fractions)."""
+    interval = verdict.interval
+    record = {
+        "metric": verdict.metric,
+        "window": [verdict.steps[0], verdict.steps[-1]],
+        "groups": {
+            g.name: {
+                "runs": g.labels,
+                "means": g.means,
+                "mean": g.mean,
+                "spread": None if g.spread is None else g.spread / abs(g.mean or 1),
+            }
+            for g in (verdict.a, verdict.b)
+        },
+        "difference": verdict.rel(verdict.difference),
+        "spread": None if verdict.spread is None else verdict.rel(verdict.spread),
+        "k": verdict.k if verdict.k is None or math.isfinite(verdict.k) else "inf",
+        "threshold": verdict.threshold,
+        "interval": None if interval is None else [verdict.rel(v) for v in interval],
+        "verdict": verdict.verdict,
+        "summary": verdict.summary(),
+        "needed": verdict.needed,
+        "bound": verdict.bound,
+        "bound_verdict": verdict.bound_verdict,
+    }
+    if first is not None:
+        record["first_step"] = {"line": first[0], "ok": first[1]}
+    return record
+
+
+# --------------------------------------------------------------------------------------
 # Command line
 
 
@@ -312,6 +494,32 @@ def _labels(paths: Sequence[str]) -> list[str]:
             label += "'"
         labels.append(label)
     return labels
+
+
+def _unique(names: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        while name in out:
+            name += "'"
+        out.append(name)
+    return out
+
+
+def load_inputs(paths: Sequence[str]) -> list[tuple[str, str, str, Run]]:
+    """(label, short name, path, run) of every run the arguments hold, in order: a path is one
+    run (labelled by the path as given), or a wandb chart CSV several (`<path>:<run name>`)."""
+    out = []
+    for label, path in zip(_labels(paths), paths):
+        loaded = load_runs(path)
+        if len(loaded) == 1 and not str(path).endswith(".csv"):
+            ((name, run),) = loaded.items()
+            out.append((label, name, path, run))
+        else:
+            out += [(f"{label}:{name}", name, path, run) for name, run in loaded.items()]
+    for label, _, _, run in out:
+        if not run:
+            raise CompareError(f"{label}: the run has no logged steps")
+    return out
 
 
 def first_differences(runs: Mapping[str, Run], report) -> list[str]:
@@ -407,6 +615,46 @@ def _parser() -> argparse.ArgumentParser:
         "1e-3, the last-50-step means within 1%% (or the spread of further reference runs "
         "given after the second), the 20-step trailing means within 3%%",
     )
+    group = parser.add_argument_group(
+        "two groups against their noise",
+        "RUNS is group A, --vs group B; each run's mean over a window of steps, the groups' "
+        "difference against the spread between runs of a group (docs/RUNS.md)",
+    )
+    group.add_argument("--vs", nargs="+", metavar="RUN", help="group B's runs (after A's)")
+    group.add_argument(
+        "--names", metavar="A,B", help="the two groups' names (default: A,B)", default="A,B"
+    )
+    group.add_argument(
+        "--labels", metavar="L,...", help="short names of the runs for the plot, in order"
+    )
+    group.add_argument(
+        "--window",
+        type=_steps_window,
+        metavar="FIRST:LAST",
+        help="steps to average each run over (default: the second half of the steps every run "
+        "logged)",
+    )
+    group.add_argument(
+        "--spread",
+        type=_fraction,
+        metavar="S",
+        help="with one run a side: the spread between runs to assume (0.003 or 0.3%%) for the "
+        "number of runs that would decide",
+    )
+    group.add_argument(
+        "--bound",
+        type=_fraction,
+        metavar="B",
+        help="also decide whether the difference is within ±B of A's mean (0.01 or 1%%); "
+        "the exit status then follows this",
+    )
+    group.add_argument(
+        "--first-rtol",
+        type=float,
+        metavar="R",
+        help="also check the groups' means at the first common step within R (same start)",
+    )
+    group.add_argument("--json", metavar="FILE", help="append the verdict to FILE as a JSON line")
     parser.add_argument(
         "--different-batches",
         action="store_true",
@@ -427,10 +675,19 @@ def _args_problem(args) -> str | None:
         return "--peer-bounds is a check of its own: drop --assert-equal/--exact/--rtol/--atol"
     if args.different_batches and not args.peer_bounds:
         return "--different-batches goes with --peer-bounds"
+    grouped = (args.window, args.spread, args.bound, args.first_rtol, args.json)
+    if args.vs is None and (any(v is not None for v in grouped) or args.names != "A,B"):
+        return "--names, --window, --spread, --bound, --first-rtol and --json go with --vs"
+    if args.vs is not None and (
+        args.assert_equal or args.exact or tolerances or args.same_steps or args.peer_bounds
+    ):
+        return "--vs is a check of its own: drop --assert-equal/--exact/--rtol/--atol/--peer-bounds"
+    if args.vs is not None and len(args.names.split(",")) != 2:
+        return "--names takes two names, A,B"
     if args.exact:
         args.assert_equal = args.same_steps = True
-    if len(args.runs) < 2:
-        return "give two or more runs"
+    if len(args.runs) < 2 and args.vs is None and not args.runs[0].endswith(".csv"):
+        return "give two or more runs (or groups: RUNS --vs RUNS)"
     if args.same_steps and not (args.assert_equal or tolerances):
         return "--same-steps goes with --assert-equal or --rtol/--atol"
     if min(args.rtol or 0.0, args.atol or 0.0) < 0:
@@ -440,6 +697,64 @@ def _args_problem(args) -> str | None:
     if not args.plot and (args.smooth > 1 or args.logy or args.x != "step"):
         return "--smooth, --logy and --x shape the plot: add --plot FILE"
     return None
+
+
+def _short_names(args, inputs: Sequence[tuple[str, str, str, Run]]) -> list[str]:
+    if args.labels is None:
+        return _unique([name for _, name, _, _ in inputs])
+    given = [x.strip() for x in args.labels.split(",")]
+    if len(given) != len(inputs):
+        raise CompareError(f"--labels names {len(given)} runs, but there are {len(inputs)}")
+    return _unique(given)
+
+
+def groups_main(args, metrics: Sequence[str]) -> int:
+    """--vs: the two groups' noise comparison on each metric, its plot, its exit status."""
+    a_inputs, b_inputs = load_inputs(args.runs), load_inputs(args.vs)
+    short = _short_names(args, [*a_inputs, *b_inputs])
+    name_a, name_b = (x.strip() for x in args.names.split(","))
+    if name_a == name_b:
+        raise CompareError("--names: the two groups need different names")
+    groups = {
+        name_a: dict(zip(short[: len(a_inputs)], (r for *_, r in a_inputs))),
+        name_b: dict(zip(short[len(a_inputs) :], (r for *_, r in b_inputs))),
+    }
+    verdicts, ok = {}, True
+    for metric in metrics:
+        verdict = compare_groups(
+            groups[name_a],
+            groups[name_b],
+            metric,
+            names=(name_a, name_b),
+            window=args.window,
+            spread=args.spread,
+            bound=args.bound,
+        )
+        first = None
+        if args.first_rtol is not None:
+            first = first_step_line(groups, metric, args.first_rtol)
+            print(first[0])
+            ok &= first[1]
+        print("\n".join(verdict.lines()))
+        verdicts[metric] = verdict
+        ok &= verdict.ok
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(verdict_record(verdict, first)) + "\n")
+    if args.plot:
+        path = plot_groups(
+            groups,
+            metrics,
+            args.plot,
+            smooth=args.smooth,
+            logy=args.logy,
+            x=args.x,
+            verdicts=verdicts,
+        )
+        print(f"plot: {path}")
+    what = "within the bound" if args.bound is not None else "the same within their noise"
+    print(f"OK: the groups are {what}" if ok else "FAIL: see above")
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -453,10 +768,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.plot:
             _pyplot()  # before any work: say what to install, in one line
-        runs = {label: load_run(p) for label, p in zip(_labels(args.runs), args.runs)}
-        for label, run in runs.items():
-            if not run:
-                raise CompareError(f"{label}: the run has no logged steps")
+        if args.vs is not None:
+            return groups_main(args, metrics)
+        inputs = load_inputs(args.runs)
+        runs = {label: run for label, _, _, run in inputs}
+        if len(runs) < 2:
+            raise CompareError("give two or more runs")
+        names = dict(zip(runs, _short_names(args, inputs)))
         report = compare(
             runs, metrics, rtol=args.rtol or 0.0, atol=args.atol or 0.0, same_steps=args.same_steps
         )
@@ -465,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in first_differences(runs, report):
                 print(line)
         checking = args.assert_equal or tolerances
-        for label, path in zip(runs, args.runs):
+        for label, _, path, _ in inputs:
             for line in noise_notes(label, path, report if checking else None):
                 print(line)
         for label, run in runs.items():
@@ -483,7 +801,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_peer_rows(rows, labels[0], labels[1], "loss"))
             peer_ok = all(r.ok for r in rows if r.checked)
         if args.plot:
-            path = plot(runs, metrics, args.plot, smooth=args.smooth, logy=args.logy, x=args.x)
+            path = plot(
+                runs, metrics, args.plot, smooth=args.smooth, logy=args.logy, x=args.x, names=names
+            )
             print(f"plot: {path}")
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -28,13 +28,14 @@
 #                                         # against torchtitan v0.2.2 (compiled, its context parallelism) in one call,
 #                                         # FP8 also with FP8 attention, then 8k tokens per GPU at cp=1/2/4
 #                                         # (CP8B_SEQS, CP8B_CPS, CP8B_RECIPES, CP8B_AC, CP8B_FP8_ATTENTION=0|1)
-#   bash tests/gpu/suite.sh peercurve     # 2 or 4 GPUs: llama3_1b FSDP over 2 from the same HF weights as torchtitan
-#                                         # v0.2.2 (exported once by tools/convert_hf.py), same text, tokenizer and
-#                                         # batches, 300 steps each (side by side on 4 GPUs), then the bounds table
-#                                         # and plot (docs/PEER_CURVE.md); PEERCURVE_CASES="bf16 fp8 bf16:32768:2"
-#                                         # (recipe[:seq[:cp]]), PEERCURVE_STEPS, PEERCURVE_ORDER=same|own,
-#                                         # PEERCURVE_SPREAD=1 (a second torchtitan run on other batches),
-#                                         # PEERCURVE_REUSE=1 (keep an earlier call's export on a warm machine)
+#   bash tests/gpu/suite.sh peercurve     # 1-8 GPUs: this recipe against torchtitan v0.2.2 from the same HF weights
+#                                         # (exported once by tools/convert_hf.py), same text, tokenizer and batches:
+#                                         # flavor 80M, 300 steps of 32k tokens, PEERCURVE_RUNS=4 runs a side per case,
+#                                         # one run per GPU, all within PEERCURVE_BUDGET=460 s; then each case's noise
+#                                         # verdict (compare_runs --vs, bound 1%), plot and one table
+#                                         # (docs/PEER_CURVE.md); PEERCURVE_CASES="bf16 fp8" (recipe[:seq[:cp]],
+#                                         # "bf16:32768:2" for 32k with cp=2), PEERCURVE_DETERMINISTIC=1,
+#                                         # PEERCURVE_FLAVOR=1B, PEERCURVE_REFERENCE=ours, PEERCURVE_REUSE=1
 #   bash tests/gpu/suite.sh levers        # 2 GPUs: llama3_8b FSDP seq 8192, global batch 128 (accumulation): recipes x
 #                                         # recomputation, then one lever at a time (LEVER_CASES="case ..." for a subset)
 #   bash tests/gpu/suite.sh scale         # 4 GPUs: small model hsdp 2x2 vs 1 GPU; save on 4, resume on 4 (fsdp_tp) and 2 (fsdp)
@@ -524,133 +525,318 @@ PYEOF
 }
 
 # The peer curve (docs/PEER_CURVE.md): this recipe and torchtitan trained from the same
-# Hugging Face weights on the same text, tokenizer and batches, PEERCURVE_STEPS steps each.
-# PC_* are set by peercurve() below.
+# Hugging Face weights on the same text, tokenizer and batches, PEERCURVE_RUNS runs a side, one
+# run per lane of GPUs, and the two groups compared against the spread between runs of a group
+# (tools/compare_runs.py --vs). PC_* are set by peercurve() below.
 # shellcheck disable=SC2329
-pc_ours() {  # devices name recipe seq cp gb: this recipe's train.py, FSDP over 2 GPUs
-    local ours=(recipe=bf16)
-    [[ $3 == fp8 ]] && ours=(recipe=fp8_cs recipe.quantized_init=true)
-    CUDA_VISIBLE_DEVICES=$1 timeout "$PC_TIMEOUT" torchrun --standalone --nproc_per_node=2 train.py \
-        "${PC_COMMON[@]}" "${ours[@]}" data.seq_len="$4" parallel.cp="$5" train.global_batch_size="$6" \
-        optim.lr="$PC_LR" train.steps="$PC_STEPS" train.log_every=1 model.init_from="$PC_ROOT/hf" checkpoint=none \
-        run.name="ours-$2" > "$OUT/peercurve_$2.ours.log" 2>&1
+pc_ours() {  # devices nproc name recipe seq cp gb timeout: this recipe's train.py
+    local ours=(recipe=bf16) launch=("$PY") model
+    [[ $4 == fp8 ]] && ours=(recipe=fp8_cs recipe.quantized_init=true)
+    (($2 > 1)) && launch=(torchrun --standalone --nproc_per_node="$2")
+    read -r -a model <<< "${PC_MODEL[$5]}"
+    CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$8" "${launch[@]}" train.py "${PC_COMMON[@]}" "${model[@]}" \
+        "${ours[@]}" data.seq_len="$5" parallel.cp="$6" train.global_batch_size="$7" \
+        optim.lr="$PC_LR" train.steps="$PC_STEPS" train.log_every=1 model.init_from="$PC_ROOT/hf" \
+        checkpoint=none run.name="$3" "${PC_OURS_EXTRA[@]}" > "$PC_OUT/$3.log" 2>&1
+    local rc=$?
+    cp "$PC_ROOT/runs/$3/metrics.jsonl" "$PC_OUT/$3.jsonl" 2>/dev/null
+    return "$rc"
 }
 
 # shellcheck disable=SC2329
-pc_tt() {  # devices name recipe seq cp gb: torchtitan's trainer (eager), FSDP over 2 GPUs
-    local spec=llama3_same_order tt_args=()
+pc_tt() {  # devices nproc name recipe seq cp gb timeout: torchtitan's trainer (eager)
+    local spec=llama3_same_order tt_args=() data=() rc
     [[ $PC_ORDER == own ]] && spec=llama3
-    [[ $3 == fp8 ]] && tt_args=("${TT_FP8[@]}")
+    [[ $4 == fp8 ]] && tt_args=("${TT_FP8[@]}")
+    [[ $PC_TEXT != c4_test ]] && data=(--training.dataset_path "$PC_ROOT/text")
     # Its assets (tokenizer, c4_test) are relative to /tmp/tt; tools/ holds the custom import
-    # (tt_peercurve: the 1B flavor through .peers/tt_ext, and this recipe's sample order).
+    # (tt_peercurve: the flavors, this recipe's sample order, the samples `pack` prepared).
     (cd /tmp/tt && CUDA_VISIBLE_DEVICES=$1 PYTORCH_ALLOC_CONF=expandable_segments:True \
+        TT_PEERCURVE_CACHE="$PC_ROOT/samples-tt" \
         PYTHONPATH="$PC_REPO/tools:$PC_REPO/.peers:/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout "$PC_TIMEOUT" torchrun --standalone --nproc_per_node=2 --local-ranks-filter 0 \
+        env "${PC_TT_ENV[@]}" timeout -k 10 "$8" torchrun --standalone --nproc_per_node="$2" --local-ranks-filter 0 \
         --role rank --tee 3 -m torchtitan.train --job.config_file "$PC_REPO/.peers/tt_llama3.toml" \
-        --job.dump_folder "$PC_ROOT/tt-$2" --experimental.custom_import tt_peercurve \
-        --model.name "$spec" --model.flavor 1B --training.seq_len "$4" \
-        --training.local_batch_size $(($6 * $5 / 2)) --training.global_batch_size "$6" \
-        --training.steps "$PC_STEPS" --training.max_norm 1.0 --training.dataset c4_test \
-        --parallelism.context_parallel_degree "$5" --activation_checkpoint.mode none \
+        --job.dump_folder "$PC_ROOT/tt-$3" --experimental.custom_import tt_peercurve \
+        --model.name "$spec" --model.flavor "$PC_FLAVOR" --training.seq_len "$5" \
+        --training.local_batch_size $(($7 * $6 / $2)) --training.global_batch_size "$7" \
+        --training.steps "$PC_STEPS" --training.max_norm 1.0 --training.dataset c4_test "${data[@]}" \
+        --parallelism.context_parallel_degree "$6" --activation_checkpoint.mode none \
         --optimizer.name AdamW --optimizer.lr "$PC_LR" --optimizer.beta1 0.9 --optimizer.beta2 0.95 \
         --optimizer.eps 1e-8 --optimizer.weight_decay "$PC_WD" --lr_scheduler.warmup_steps "$PC_WARMUP" \
         --lr_scheduler.decay_type cosine --lr_scheduler.min_lr_factor "$PC_MIN_LR" \
         --metrics.log_freq 1 --checkpoint.enable --checkpoint.load_only \
         --checkpoint.initial_load_path "$PC_ROOT/hf" --checkpoint.initial_load_in_hf \
-        "${tt_args[@]}") > "$OUT/peercurve_$2.tt.log" 2>&1
+        "${tt_args[@]}" "${PC_TT_EXTRA[@]}") > "$PC_OUT/$3.log" 2>&1
+    rc=$?
+    "$PY" tools/tt_metrics.py "$PC_OUT/$3.log" "$PC_OUT/$3.jsonl" --tokens-per-step "$PC_TOKENS" \
+        --world-size "$2" --lr "$PC_LR" --warmup-steps "$PC_WARMUP" --total-steps "$PC_STEPS" \
+        --decay-type cosine --min-lr-factor "$PC_MIN_LR" >> "$PC_OUT/tt_metrics.log" 2>&1
+    return "$rc"
 }
 
 # shellcheck disable=SC2329
-pc_case() {  # tt-devices ours-devices case: both trainers (side by side when the devices
-    # differ), then the metrics, the bounds table and the plot
-    local recipe seq cp gb name rc_tt=0 rc_ours=0 pid
-    IFS=: read -r recipe seq cp <<< "$3"
-    seq=${seq:-4096} cp=${cp:-1}
+pc_case_args() {  # case: "name recipe seq cp gb" of recipe[:seq[:cp]], or a line saying why not
+    local recipe seq cp gb
+    IFS=: read -r recipe seq cp <<< "$1"
+    seq=${seq:-$PC_SEQ} cp=${cp:-1}
     gb=$((PC_TOKENS / seq))
-    name=$recipe-$seq-cp$cp
-    if [[ $recipe != bf16 && $recipe != fp8 ]] || ((gb < 1 || gb * cp % 2)); then
-        echo "peercurve: case $3: recipe bf16|fp8, and $PC_TOKENS tokens a step must fill whole rows per rank"
+    if [[ $recipe != bf16 && $recipe != fp8 ]] || ((gb < 1 || PC_NPROC % cp || gb * cp % PC_NPROC)); then
+        echo "peercurve: case $1: recipe bf16|fp8, cp at most the $PC_NPROC GPUs of a run, and" \
+            "$PC_TOKENS tokens a step must fill whole rows per rank" >&2
+        return 1
+    fi
+    echo "$recipe-$seq-cp$cp $recipe $seq $cp $gb"
+}
+
+# shellcheck disable=SC2329
+pc_lane() {  # devices: runs jobs of the queue ($PC_ROOT/queue) until none is left, starting
+    # one only while the budget leaves time for it (the longest run so far, plus 10 s)
+    local dev=$1 j name side i recipe seq cp gb left need t start rc
+    for ((j = 0; j < ${#PC_JOBS[@]}; j++)); do
+        mkdir "$PC_ROOT/queue/$j" 2>/dev/null || continue
+        read -r name side i recipe seq cp gb <<< "${PC_JOBS[$j]}"
+        left=$((PC_BUDGET - SECONDS))
+        need=$(awk 'BEGIN {m = 0} $4 > m {m = $4} END {print m ? m + 10 : 0}' "$PC_OUT/jobs.txt")
+        if ((left < need || left < 20)); then
+            echo "$name.$side$i skipped - 0 $dev ($left s left, a run took up to $((need - 10)) s)" \
+                >> "$PC_OUT/jobs.txt"
+            continue
+        fi
+        t=$((left < PC_TIMEOUT ? left : PC_TIMEOUT))
+        start=$SECONDS
+        if [[ $side == ref && $PC_REFERENCE == torchtitan ]]; then
+            pc_tt "$dev" "$PC_NPROC" "$name.$side$i" "$recipe" "$seq" "$cp" "$gb" "$t"
+        else
+            pc_ours "$dev" "$PC_NPROC" "$name.$side$i" "$recipe" "$seq" "$cp" "$gb" "$t"
+        fi
+        rc=$?
+        echo "$name.$side$i exit $rc $((SECONDS - start)) $dev (started at $start s)" >> "$PC_OUT/jobs.txt"
+    done
+}
+
+# shellcheck disable=SC2329
+pc_verdict() {  # name: the runs that reached the last step, as many a side, against each other
+    local name=$1 side i n ref=() ours=() runs
+    for side in ref ours; do
+        runs=()
+        for ((i = 1; i <= PC_RUNS; i++)); do
+            [[ $(tail -1 "$PC_OUT/$name.$side$i.jsonl" 2>/dev/null) == "{\"step\": $PC_STEPS,"* ]] \
+                && runs+=("$PC_OUT/$name.$side$i.jsonl")
+        done
+        if [[ $side == ref ]]; then ref=("${runs[@]}"); else ours=("${runs[@]}"); fi
+    done
+    n=$((${#ref[@]} < ${#ours[@]} ? ${#ref[@]} : ${#ours[@]}))
+    echo "--- $name: $n + $n complete runs compared (of ${#ref[@]} $PC_REF_NAME, ${#ours[@]} ours)"
+    if ((n == 0)); then
+        echo "$name: no complete run on a side: not compared" | tee "$PC_OUT/$name.verdict.txt"
         status=1; return
     fi
-    echo "--- $name: global batch $gb x seq $seq, cp=$cp, $PC_STEPS steps (torchtitan on GPUs $1, ours on $2)"
-    if [[ $1 == "$2" ]]; then
-        pc_tt "$1" "$name" "$recipe" "$seq" "$cp" "$gb" || rc_tt=$?
-        pc_ours "$2" "$name" "$recipe" "$seq" "$cp" "$gb" || rc_ours=$?
-    else
-        pc_tt "$1" "$name" "$recipe" "$seq" "$cp" "$gb" &
-        pid=$!
-        pc_ours "$2" "$name" "$recipe" "$seq" "$cp" "$gb" || rc_ours=$?
-        wait "$pid" || rc_tt=$?
-    fi
-    echo "torchtitan exit $rc_tt, ours exit $rc_ours (logs: $OUT/peercurve_$name.{tt,ours}.log)"
-    ((rc_tt == 0 && rc_ours == 0)) || status=1
-    cp "$PC_ROOT/runs/ours-$name/metrics.jsonl" "$OUT/peercurve_$name.ours.jsonl" 2>/dev/null
-    "$PY" tools/tt_metrics.py "$OUT/peercurve_$name.tt.log" "$OUT/peercurve_$name.tt.jsonl" \
-        --tokens-per-step "$PC_TOKENS" --world-size 2 --lr "$PC_LR" --warmup-steps "$PC_WARMUP" \
-        --total-steps "$PC_STEPS" --decay-type cosine --min-lr-factor "$PC_MIN_LR" || { status=1; return; }
-    local order=() spread=()
-    [[ $PC_ORDER == own ]] && order=(--different-batches)
-    # PEERCURVE_SPREAD=1: torchtitan once more on other batches (its order begun half a pass
-    # later); the two torchtitan runs' distance widens the last-50-steps bound when larger.
-    if [[ ${PEERCURVE_SPREAD:-0} == 1 && $PC_ORDER == same ]]; then
-        TT_PEERCURVE_SHIFT=0.5 pc_tt "$1" "$name-shifted" "$recipe" "$seq" "$cp" "$gb" || status=1
-        "$PY" tools/tt_metrics.py "$OUT/peercurve_$name-shifted.tt.log" \
-            "$OUT/peercurve_$name-shifted.tt.jsonl" --tokens-per-step "$PC_TOKENS" --world-size 2 \
-            && spread=("$OUT/peercurve_$name-shifted.tt.jsonl")
-    fi
-    "$PY" tools/compare_runs.py "$OUT/peercurve_$name.tt.jsonl" "$OUT/peercurve_$name.ours.jsonl" \
-        "${spread[@]}" --metrics loss,grad_norm --peer-bounds "${order[@]}" \
-        --plot "$OUT/peercurve_$name.png" --smooth 20 2>&1 | tee "$OUT/peercurve_$name.bounds.txt" || status=1
+    # Equal groups: the first n runs of each side (unequal ones would need a higher threshold).
+    "$PY" tools/compare_runs.py "${ref[@]:0:n}" --vs "${ours[@]:0:n}" --names "$PC_REF_NAME,ours" \
+        --metrics loss --window "$((PC_STEPS / 2 + 1)):$PC_STEPS" --bound "$PC_BOUND" --first-rtol 1e-3 \
+        --json "$PC_OUT/$name.verdict.json" --plot "$OUT/peercurve_$name.png" --smooth 10 2>&1 \
+        | tee "$PC_OUT/$name.verdict.txt" || status=1
     # The schedules: torchtitan's formula (tools/tt_metrics.py) against the lr train.py logged.
-    "$PY" tools/compare_runs.py "$OUT/peercurve_$name.tt.jsonl" "$OUT/peercurve_$name.ours.jsonl" \
-        --metrics lr --rtol 1e-6 2>&1 | tail -2 | tee -a "$OUT/peercurve_$name.bounds.txt" || status=1
+    "$PY" tools/compare_runs.py "${ref[0]}" "${ours[0]}" --metrics lr --rtol 1e-6 2>&1 | tail -2 \
+        | tee -a "$PC_OUT/$name.verdict.txt" || status=1
 }
 
 # shellcheck disable=SC2329
 peercurve() {
-    stage "peer curve: llama3_1b (untied, RoPE factor 8) from the same HF weights as torchtitan, ${PEERCURVE_STEPS:-300} steps"
-    peers_ready peercurve 2 docs/PEER_CURVE.md || return
+    stage "peer curve: flavor ${PEERCURVE_FLAVOR:-80M} from the same HF weights in both trainers, ${PEERCURVE_RUNS:-4} runs a side per case"
+    PC_REPO=$PWD PC_ROOT=${PEERCURVE_ROOT:-/tmp/peercurve} PC_STEPS=${PEERCURVE_STEPS:-300}
+    PC_FLAVOR=${PEERCURVE_FLAVOR:-80M} PC_SEQ=${PEERCURVE_SEQ:-2048} PC_TOKENS=${PEERCURVE_TOKENS:-32768}
+    PC_LR=${PEERCURVE_LR:-3e-4} PC_WARMUP=${PEERCURVE_WARMUP:-30} PC_MIN_LR=${PEERCURVE_MIN_LR:-0.1}
+    PC_WD=${PEERCURVE_WD:-0.1} PC_ORDER=${PEERCURVE_ORDER:-same} PC_RUNS=${PEERCURVE_RUNS:-4}
+    PC_TIMEOUT=${PEERCURVE_TIMEOUT:-180} PC_BUDGET=${PEERCURVE_BUDGET:-460} PC_BOUND=${PEERCURVE_BOUND:-1%}
+    PC_TEXT=${PEERCURVE_TEXT:-python} PC_TOKENIZER=${PEERCURVE_TOKENIZER:-/tmp/tt/tests/assets/tokenizer}
+    PC_REFERENCE=${PEERCURVE_REFERENCE:-torchtitan} PC_OUT=$PC_ROOT/out
+    local device=${PEERCURVE_DEVICE:-cuda} lanes=() cases=() names=() c i r side n_lanes
+    local t0=$SECONDS line pack_pid=
+    if [[ $device == cpu ]]; then
+        # The stage's smallest form (tests/test_peercurve.py): processes instead of GPUs, and
+        # this recipe as the reference too (torchtitan needs CUDA).
+        PC_REFERENCE=ours
+        for ((i = 0; i < ${PEERCURVE_LANES:-2}; i++)); do lanes+=(""); done
+    fi
+    PC_REF_NAME=torchtitan
+    [[ $PC_REFERENCE == ours ]] && PC_REF_NAME="ours-again"
+    read -r -a cases <<< "${PEERCURVE_CASES:-bf16 fp8}"
+    # GPUs per run: the largest cp of the cases (PEERCURVE_GPUS to ask for more: FSDP over them).
+    PC_NPROC=${PEERCURVE_GPUS:-1}
+    for c in "${cases[@]}"; do
+        IFS=: read -r _ _ r <<< "$c"
+        ((${r:-1} > PC_NPROC)) && PC_NPROC=${r:-1}
+    done
+    if [[ $device != cpu ]]; then
+        if [[ $PC_REFERENCE == torchtitan ]]; then
+            peers_ready peercurve "$PC_NPROC" docs/PEER_CURVE.md || return
+        fi
+        for ((i = 0; i + PC_NPROC <= NGPU; i += PC_NPROC)); do
+            lanes+=("$(seq -s, "$i" $((i + PC_NPROC - 1)))")
+        done
+        ((${#lanes[@]})) || { echo "peercurve: not run: needs $PC_NPROC GPUs a run"; status=1; return; }
+    fi
     # NVLink multicast off (NCCL NVLS, symmetric memory), as the multi-GPU tests run.
     local -x NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    PC_REPO=$PWD PC_ROOT=${PEERCURVE_ROOT:-/tmp/peercurve} PC_STEPS=${PEERCURVE_STEPS:-300}
-    PC_TOKENS=${PEERCURVE_TOKENS:-32768} PC_LR=${PEERCURVE_LR:-3e-4} PC_WARMUP=${PEERCURVE_WARMUP:-30}
-    PC_MIN_LR=${PEERCURVE_MIN_LR:-0.1} PC_WD=${PEERCURVE_WD:-0.1} PC_ORDER=${PEERCURVE_ORDER:-same}
-    PC_TIMEOUT=${PEERCURVE_TIMEOUT:-420}
-    # Both sides: the Llama 3.2 1B shape as torchtitan builds it (untied head, RoPE scaling
-    # factor 8), its test tokenizer and c4_test text in file order, causal attention, AdamW
-    # with its betas/eps, linear warmup then cosine to lr x min ratio, clipping at 1.0.
-    PC_COMMON=(model=llama3_1b model.tie_embeddings=false model.rope_scaling.factor=8.0
-        data=hf data.path=/tmp/tt/tests/assets/c4_test/data.json data.tokenizer=/tmp/tt/tests/assets/tokenizer
-        data.shuffle=false data.document_mask=false data.cache_dir="$PC_ROOT/cache" run.root="$PC_ROOT/runs"
+    PC_OURS_EXTRA=() PC_TT_EXTRA=() PC_TT_ENV=()
+    if [[ ${PEERCURVE_DETERMINISTIC:-0} == 1 ]]; then
+        PC_OURS_EXTRA=(train.deterministic=true)
+        PC_TT_EXTRA=(--debug.deterministic --debug.deterministic_warn_only)
+        PC_TT_ENV=(CUBLAS_WORKSPACE_CONFIG=:4096:8)
+    fi
+    read -r -a r <<< "${PEERCURVE_OURS_ARGS:-}"; PC_OURS_EXTRA+=("${r[@]}")
+    read -r -a r <<< "${PEERCURVE_TT_ARGS:-}"; PC_TT_EXTRA+=("${r[@]}")
+    # The queue: the first 3 runs a side of each case in turn (3 + 3 decide; a budget cut then
+    # leaves the first cases decided rather than every case short), then run 4, 5, ... of
+    # every case.
+    PC_JOBS=()
+    for c in "${cases[@]}"; do
+        line=$(pc_case_args "$c") || { status=1; return; }
+        names+=("$line")
+    done
+    for line in "${names[@]}"; do
+        read -r c _ <<< "$line"
+        for ((i = 1; i <= PC_RUNS && i <= 3; i++)); do
+            for side in ref ours; do PC_JOBS+=("$c $side $i ${line#* }"); done
+        done
+    done
+    for ((i = 4; i <= PC_RUNS; i++)); do
+        for line in "${names[@]}"; do
+            read -r c _ <<< "$line"
+            for side in ref ours; do PC_JOBS+=("$c $side $i ${line#* }"); done
+        done
+    done
+    n_lanes=${#lanes[@]}
+    local waves=$(((${#PC_JOBS[@]} + n_lanes - 1) / n_lanes)) tokens=$((PC_STEPS * PC_TOKENS))
+    echo "plan: ${#cases[@]} case(s) (${cases[*]}) x ($PC_RUNS $PC_REF_NAME + $PC_RUNS ours) =" \
+        "${#PC_JOBS[@]} runs of $PC_STEPS steps x $PC_TOKENS tokens ($tokens tokens each), flavor" \
+        "$PC_FLAVOR, $PC_NPROC GPU(s) a run on $device, $n_lanes at a time: $waves wave(s)"
+    local queue=() job
+    for job in "${PC_JOBS[@]}"; do read -r c side i _ <<< "$job"; queue+=("$c.$side$i"); done
+    echo "plan: queue ${queue[*]}"
+    echo "plan: text, export and tokenization first (about 60-90 s on GPUs); every run ends by" \
+        "$PC_BUDGET s after the suite began (PEERCURVE_BUDGET) and within $PC_TIMEOUT s" \
+        "(PEERCURVE_TIMEOUT); a run is not started when the budget cannot hold the longest run so" \
+        "far; then the comparisons (about 10 s a case). Now at $SECONDS s."
+    # Fresh run directories, outputs and torchtitan dump folders (a checkpoint folder there
+    # would be loaded instead of the HF weights); the text and the export stay with REUSE=1.
+    if [[ ${PEERCURVE_REUSE:-0} != 1 || ! -f $PC_ROOT/hf/config.json ]]; then rm -rf "$PC_ROOT"; fi
+    rm -rf "$PC_ROOT/runs" "$PC_ROOT"/tt-*/ "$PC_OUT" "$PC_ROOT/queue"
+    mkdir -p "$PC_OUT" "$PC_ROOT/queue"
+    : > "$PC_OUT/jobs.txt"
+    local text=/tmp/tt/tests/assets/c4_test/data.json sources=()
+    if [[ $PC_TEXT != c4_test ]]; then
+        # Python source of this machine's installation, enough for every step's tokens once
+        # (1.46 bytes a token with the test tokenizer on the standard library; 2 to spare).
+        text=$PC_ROOT/text/data.json
+        read -r -a sources <<< "${PEERCURVE_TEXT_FROM:-stdlib torch}"
+        [[ -f $text ]] || "$PY" tools/tt_peercurve.py text "$PC_ROOT/text" --bytes $((tokens * 2)) \
+            --from "${sources[@]}" --info "$PC_OUT/text.json" || { status=1; return; }
+    fi
+    # Both sides: the flavor's shape (untied head, RoPE as torchtitan's default scaling), its
+    # tokenizer and text in file order, causal attention, AdamW with its betas/eps, linear
+    # warmup then cosine to lr x min ratio, clipping at 1.0.
+    PC_COMMON=(data=hf data.path="$text" data.tokenizer="$PC_TOKENIZER" data.shuffle=false
+        data.document_mask=false data.cache_dir="$PC_ROOT/cache" data.num_proc="${PEERCURVE_NUM_PROC:-8}" run.root="$PC_ROOT/runs"
         optim.beta1=0.9 optim.beta2=0.95 optim.eps=1e-8 optim.grad_clip=1.0 optim.weight_decay="$PC_WD"
         optim.warmup_steps="$PC_WARMUP" optim.min_lr_ratio="$PC_MIN_LR")
-    local t0=$SECONDS cases=() c
-    if [[ ${PEERCURVE_REUSE:-0} == 1 && -f $PC_ROOT/hf/config.json ]]; then
+    declare -gA PC_MODEL=()
+    for line in "${names[@]}"; do
+        read -r _ _ r _ <<< "$line"
+        [[ -n ${PC_MODEL[$r]:-} ]] || PC_MODEL[$r]=$("$PY" tools/tt_peercurve.py overrides "$PC_FLAVOR" --seq-len "$r")
+    done
+    if [[ $PC_REFERENCE == torchtitan ]]; then
+        # torchtitan's tokenization, once for every run (and this recipe's, to check them equal);
+        # torchtitan's package is in /tmp/tt (.peers/setup.sh puts only its wheels on the path).
+        local seqs=() folder=${text%/*}
+        for line in "${names[@]}"; do read -r _ _ r _ <<< "$line"; seqs+=("$r"); done
+        PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" "$PY" tools/tt_peercurve.py pack \
+            --dataset-path "$folder" --tokenizer "$PC_TOKENIZER" --seq-len "${seqs[@]}" \
+            --cache "$PC_ROOT/samples-tt" --check-ours > "$PC_OUT/pack.log" 2>&1 &
+        pack_pid=$!
+    fi
+    if [[ -f $PC_ROOT/hf/config.json ]]; then
         echo "initial weights: $PC_ROOT/hf of an earlier call on this machine (PEERCURVE_REUSE=1)"
     else
         # The initial weights, once: this recipe's seeded init through one step at lr 1e-9
         # (which leaves them as they were, to fp32 rounding), its checkpoint exported in fp32.
-        rm -rf "$PC_ROOT"
-        mkdir -p "$PC_ROOT"
-        timeout 300 torchrun --standalone --nproc_per_node=2 train.py "${PC_COMMON[@]}" recipe=bf16 \
-            optim.lr=1e-9 data.seq_len=1024 train.global_batch_size=2 train.steps=1 run.name=init \
-            > "$OUT/peercurve_init.log" 2>&1 \
+        # The step also prepares this recipe's token cache for every run, and (with the first
+        # case's batch, when it fits one GPU) compiles its loss kernels for those shapes.
+        local gb
+        read -r _ _ c r gb <<< "${names[0]}"
+        ((r == 1 && PC_NPROC == 1)) || gb=1
+        read -r -a r <<< "${PC_MODEL[$c]}"
+        CUDA_VISIBLE_DEVICES=${lanes[0]%%,*} timeout 300 "$PY" train.py "${PC_COMMON[@]}" "${r[@]}" \
+            recipe=bf16 optim.lr=1e-9 data.seq_len="$c" train.global_batch_size="$gb" train.steps=1 \
+            run.name=init > "$PC_OUT/init.log" 2>&1 \
             && "$PY" tools/convert_hf.py export "$PC_ROOT/runs/init" "$PC_ROOT/hf" --dtype fp32 \
-                --tokenizer /tmp/tt/tests/assets/tokenizer >> "$OUT/peercurve_init.log" 2>&1
+                >> "$PC_OUT/init.log" 2>&1
         if [[ ! -f $PC_ROOT/hf/config.json ]]; then
-            echo "peercurve: the initial weights were not exported (tail of $OUT/peercurve_init.log):"
-            tail -5 "$OUT/peercurve_init.log"; status=1; return
+            echo "peercurve: the initial weights were not exported (tail of $PC_OUT/init.log):"
+            tail -5 "$PC_OUT/init.log"; status=1; return
         fi
-        echo "initial weights in $PC_ROOT/hf after $((SECONDS - t0)) s"
+        echo "initial weights in $PC_ROOT/hf at $((SECONDS - t0)) s"
     fi
-    # Fresh run directories and torchtitan dump folders (a checkpoint folder there would be
-    # loaded instead of the HF weights).
-    rm -rf "$PC_ROOT/runs" "$PC_ROOT"/tt-*
-    read -r -a cases <<< "${PEERCURVE_CASES:-bf16}"
-    for c in "${cases[@]}"; do
-        if [[ $NGPU -ge 4 ]]; then pc_case 0,1 2,3 "$c"; else pc_case 0,1 0,1 "$c"; fi
-        echo "after $((SECONDS - t0)) s"
-    done
+    if [[ -n $pack_pid ]]; then
+        local packed=0
+        wait "$pack_pid" || packed=$?
+        cat "$PC_OUT/pack.log"
+        if ((packed == 3)); then
+            echo "peercurve: the two tokenizers read the text differently: not run"; status=1; return
+        elif ((packed != 0)); then
+            # Not packed ahead: each torchtitan run then tokenizes the text itself (slower).
+            echo "peercurve: pack failed (exit $packed; tail of $PC_OUT/pack.log above); torchtitan's runs tokenize on their own"
+        fi
+    fi
+    local begun=$SECONDS
+    echo "runs begin at $begun s"
+    local pids=()
+    for c in "${lanes[@]}"; do pc_lane "$c" & pids+=($!); done
+    for c in "${pids[@]}"; do wait "$c"; done
+    echo "runs done at $SECONDS s:"
+    cat "$PC_OUT/jobs.txt"
+    for line in "${names[@]}"; do read -r c _ <<< "$line"; pc_verdict "$c"; done
+    local settings="flavor $PC_FLAVOR, $PC_STEPS steps of $PC_TOKENS tokens, lr $PC_LR (warmup"
+    settings+=" $PC_WARMUP, cosine to x$PC_MIN_LR), weight decay $PC_WD, text $PC_TEXT, order $PC_ORDER,"
+    settings+=" deterministic ${PEERCURVE_DETERMINISTIC:-0}, $PC_NPROC GPU(s) a run; runs from $begun s"
+    settings+=" to $SECONDS s of the suite; window steps $((PC_STEPS / 2 + 1))-$PC_STEPS"
+    pc_table "$device" "$settings" "${names[@]}" | tee "$OUT/peercurve_verdict.md"
+    tar czf "$OUT/peercurve_logs.tgz" -C "$PC_ROOT" out 2>/dev/null
+    echo "peercurve: done at $SECONDS s (outputs: $OUT/peercurve_verdict.md, $OUT/peercurve_<case>.png, $OUT/peercurve_logs.tgz)"
+}
+
+# shellcheck disable=SC2329
+pc_table() {  # device settings case-line...: one table of every case's verdict, last
+    local device=$1 settings=$2 gpu=cpu
+    shift 2
+    [[ $device != cpu ]] && gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    "$PY" - "$PC_OUT" "$gpu" "$PC_REF_NAME" "$settings" "$@" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out, gpu, ref, settings = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+print(f"\npeer curve on {gpu}: {ref} (A) against ours (B), each run's mean loss over the window")
+print(f"({settings})")
+print("| case | runs a side | step 1 | A mean, spread | B mean, spread | d | k (threshold) | d ± threshold x s | verdict | bound |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for line in sys.argv[5:]:
+    case = line.split()[0]
+    f = out / f"{case}.verdict.json"
+    if not f.is_file():
+        print(f"| {case} | - | - | - | - | - | - | - | not compared | - |")
+        continue
+    v = json.loads(f.read_text().splitlines()[-1])
+    (na, a), (nb, b) = v["groups"].items()
+    def mean(g):
+        spread = "-" if g["spread"] is None else f"{g['spread']:.2%}"
+        return f"{g['mean']:.4f}, {spread}"
+    k = "-" if v["k"] is None else f"{float(v['k']):.2f} ({v['threshold']:.2f})"
+    iv = "-" if v["interval"] is None else f"{v['interval'][0]:+.2%} .. {v['interval'][1]:+.2%}"
+    first = v.get("first_step", {}).get("line", "-").split("relative difference ")[-1]
+    bound = "-" if v["bound"] is None else f"{v['bound_verdict']} (±{v['bound']:.1%})"
+    print(f"| {case} | {len(a['means'])} | {first} | {mean(a)} | {mean(b)} | {v['difference']:+.2%} "
+          f"| {k} | {iv} | {v['summary']} | {bound} |")
+PYEOF
 }
 
 # shellcheck disable=SC2329
