@@ -690,6 +690,7 @@ def _build(loop: Loop, tokenizer, resume_from: int, hf_weights, threads_line) ->
     # 4. Mesh, and the fixes torch / TE need (compat/): the mesh object owns every process
     #    group; the fixes go in before anything builds a module.
     dims.build_mesh(device.type)
+    dims.warm_up_groups(device)  # every NCCL communicator made while GPU memory is free
     compat.apply_all()
     torch.manual_seed(cfg.train.seed + loop.rank)  # per-rank stream; weights use their own seeds
 

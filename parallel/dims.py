@@ -261,6 +261,25 @@ class ParallelDims:
         self._weight_shard_group = self.weight_shard_mesh.get_group()
         return mesh
 
+    def warm_up_groups(self, device) -> None:
+        """One one-element all-reduce over each group of the mesh, right after it is built.
+        NCCL creates a group's communicator (and its connections) at the group's first
+        collective and needs GPU memory for it; a group first used after the first step (the
+        data-parallel group of the log step's all-reduce) finds memory the caching allocator
+        holds and fails there (issue 56: llama3_8b at 32k, cp=4, FP8 attention, "Failed to CUDA
+        calloc async 24 bytes" at step 1's log step). Done while memory is free, it costs a
+        few milliseconds (and on gloo as on NCCL, so the CPU tests run it)."""
+        if self.mesh is None:
+            return
+        groups = [self._dp_group, self._loss_group, self._weight_shard_group]
+        groups += [self.tp_group, self.cp_group, *self._fsdp_mesh.get_all_groups()]
+        seen = set()
+        for group in groups:
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+
     @property
     def fsdp_mesh(self):
         """Mesh handed to fully_shard: 2-D (replicate, dp_shard x cp) for HSDP/DDP, 1-D
