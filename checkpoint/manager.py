@@ -76,8 +76,8 @@ checkpoint/save.py (`Saver`: when, stage, write, close; `InFlight`: the async sa
 settled in order; `Committer`: commit, prune, a failed save's error; `SaveRecords`: the
 numbers of every save), which share one checkpoint/context.py `Context` (settings, log, the
 two gloo groups and their collectives). The facade wires what crosses the two sides: the step
-a resume leaves as saved, the pruning hold of the loss watch, and the loss guard (checked
-before every save).
+a resume leaves as saved, the pruning that follows the loss watch's verdict, and the loss
+guard (checked before every save).
 """
 
 from __future__ import annotations
@@ -249,23 +249,26 @@ class CheckpointManager:
     # -- a resumed segment's health (checkpoint/health.py) ------------------------------------
 
     def watch_resumed_loss(self, records: list[dict] | None, policy: str = "stop") -> None:
-        """After `resume`: hold the checkpoints up to the resumed step from pruning until the
-        segment's first logged losses are within the range of `records` (rank 0's
-        metrics.jsonl; other ranks pass None), judged by `check_resumed_loss`. Nothing to
-        watch without a resume in this directory, without enough logged history, or with
-        policy off. Call on every rank."""
-        hold = self.resumer.watch_loss(records, policy)
-        if hold is not None:
-            self.saver.committer.hold = hold
+        """After `resume`: judge the resumed segment's first logged losses against `records`
+        (rank 0's metrics.jsonl; other ranks pass None), by `check_resumed_loss`. Until the
+        healthy verdict, the checkpoints from the resumed step on are unconfirmed, on disk
+        (checkpoint/store.py), and pruning keeps the newest confirmed one. A resume of a
+        checkpoint saved after an earlier resume that was never judged goes on judging that
+        one, and may stop here already. Nothing to watch without a resume in this directory,
+        without enough logged history, or with policy off. Call on every rank."""
+        self._act_on(*self.resumer.watch_loss(records, policy))
 
     def check_resumed_loss(self, step: int, loss: float) -> None:
-        """Every rank at each log step, with the logged (rank-reduced) loss: releases the hold
-        once the resumed segment is healthy; when its first losses are all above the range,
-        stops the run in one line naming the checkpoint it resumed from and the older one
-        kept (resume.loss_check=stop), or says so and goes on holding them (continue)."""
-        verdict, line = self.resumer.judge_loss(step, loss)
+        """Every rank at each log step, with the logged (rank-reduced) loss: confirms the
+        checkpoints and prunes as usual once the resumed segment is healthy; when its first
+        losses are above what the run logged before, stops the run in one line naming the
+        checkpoint it resumed from and the confirmed one kept (resume.loss_check=stop), or
+        says so and goes on keeping it (continue)."""
+        self._act_on(*self.resumer.judge_loss(step, loss))
+
+    def _act_on(self, verdict: str | None, line: str) -> None:
         if verdict == "healthy":
-            self.saver.committer.release_hold()
+            self.saver.committer.prune_again()
         elif verdict == "stop":
             try:
                 self.saver.wait_all()
@@ -338,6 +341,8 @@ class CheckpointManager:
             return
         self.saver.finish(step, state, save)
         self._ctx.barrier()
+        if self.saving and self.rank == 0 and (pending := self.resumer.pending_line()):
+            self._log(pending)
         self.close()
 
     def stopped_line(self, step: int) -> str:
