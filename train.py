@@ -96,6 +96,7 @@ from runtime import (
     cpu_note,
     deterministic_env,
     exit_status,
+    launcher_pid,
     lost_peer_line,
     peak_memory_gb,
     pick_device,
@@ -494,7 +495,8 @@ def run(cfg: Config) -> int:
     # Installed first so a stop signal or Ctrl-C during setup is not fatal; without
     # checkpoints SIGTERM and SIGUSR1 keep their default meaning (terminate) and a Ctrl-C
     # stops at once in one line.
-    stop = StopSignal(save=cfg.checkpoint.mode != "none")
+    # A worker of a launcher (torchrun) also stops when the launcher dies (runtime.StopSignal).
+    stop = StopSignal(save=cfg.checkpoint.mode != "none", launcher=launcher_pid())
     try:
         return _run(cfg, stop)
     finally:
