@@ -91,6 +91,12 @@ class TrainConfig:
     #: collection after every N-th step on every rank (runtime.GcSchedule; a collection on one
     #: rank at its own moment delays all ranks at the next collective). 0: Python's default.
     gc_every: int = 0
+    #: Stop the run, in one line and before a checkpoint of it is saved, when a loss comes
+    #: more than this many times above the run's recent level (the lowest median of 8
+    #: consecutive logged losses; and 1 nat above it), or the gradient norm stays exactly 0
+    #: with a flat loss for 3 steps (divergence.py, which gives the measurements: clean runs
+    #: came at most 1.53 times their level). Raise it to loosen the check; 0 turns it off.
+    divergence_ratio: float = 3.0
 
     def validate(self) -> None:
         """The train fields on their own (train.dry_run against train.eval_only: with the
@@ -106,6 +112,11 @@ class TrainConfig:
             f"train.micro_batch_size={self.micro_batch_size} must be > 0 (or null)",
         )
         require(self.log_every > 0, f"train.log_every={self.log_every} must be > 0")
+        require(
+            self.divergence_ratio == 0 or self.divergence_ratio > 1,
+            f"train.divergence_ratio={self.divergence_ratio} must be above 1 (a loss that "
+            "many times the run's recent level stops it) or 0 (no divergence check)",
+        )
         require(
             self.gc_every >= 0,
             f"train.gc_every={self.gc_every} must be >= 0 (N: collect garbage after every N-th "
@@ -459,6 +470,7 @@ RESUME_FREE = (
     "train.dry_run",
     "train.eval_only",
     "train.gc_every",
+    "train.divergence_ratio",
     "parallel.name",
     "parallel.dp_replicate",
     "parallel.dp_shard",

@@ -15,6 +15,11 @@ class NonFiniteLossError(ConfigError):
     later. A ConfigError because the fix is in the inputs (learning rate, data, precision)."""
 
 
+class DivergenceError(ConfigError):
+    """The run diverged (a loss far above its level, or a dead model: divergence.py): it
+    stops (one line) before anything of it is saved. A ConfigError for the same reason."""
+
+
 def require(ok: bool, msg: str) -> None:
     """Raise ConfigError(msg) unless `ok`: the config sections' `validate` methods use it."""
     if not ok:

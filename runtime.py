@@ -480,10 +480,52 @@ def register_stack_dump() -> None:
 DOUBLE_PRESS_S = 1.0
 
 
+#: Linux prctl(2) option: the signal this process gets when its parent (thread) ends.
+PR_SET_PDEATHSIG = 1
+#: The signal a launcher's worker asks the kernel for when its launcher ends: a real-time
+#: signal of its own, which nothing else sends. The kernel sends it as each thread of the
+#: launcher that holds the worker ends (the worker then passes to another of its threads, or,
+#: with the last one, to init), so the handler checks that the launcher is really gone; and
+#: a SIGTERM would be ambiguous (torchrun forwards its own SIGTERM to its workers).
+PARENT_DEATH_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
+
+
+def launcher_pid(environ=None) -> int | None:
+    """The process that launched this one as a worker, when a launcher did: torchrun's agent
+    (its workers' environment has TORCHELASTIC_RUN_ID; slurm/launch.py is torchrun), else
+    None (a `python train.py` started by a shell, whose end must not stop the run)."""
+    env = os.environ if environ is None else environ
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in env else None
+
+
+def set_parent_death_signal(signum: int) -> bool:
+    """Ask the kernel for `signum` when this process's parent ends (Linux PR_SET_PDEATHSIG;
+    the parent is the thread that started it: torchrun's agent starts its workers from its
+    main thread). False where unavailable (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 class StopSignal:
     """Turns SIGUSR1 (Slurm's early warning), SIGTERM (preemption) and a first Ctrl-C
     (SIGINT) into a flag the loop checks at log steps (where it syncs anyway), so every rank
     stops after the same step and the checkpoint is written between steps, never inside one.
+
+    A worker of a launcher (`launcher`: its pid, `launcher_pid`) also hears from the kernel
+    when the launcher ends, by any signal, SIGKILL included (PR_SET_PDEATHSIG with
+    PARENT_DEATH_SIGNAL): the trainers would otherwise train on, unsupervised, holding the
+    GPUs. That stops the run as a SIGTERM does (every rank saves at the next log step and
+    exits with EXIT_REQUEUE; the trainers whose launcher is gone are `orphaned` and say so),
+    never counts as a second Ctrl-C, and with `save=False` ends the process at once in one
+    line (nothing to save, status 1). A launcher already gone when this is set up (the
+    process's parent is then init) counts the same.
 
     After a Ctrl-C, a second SIGINT (or the SIGTERM torchrun's launcher sends its workers on
     a second Ctrl-C) more than DOUBLE_PRESS_S later stops the process at once: `stop_now`
@@ -492,8 +534,11 @@ class StopSignal:
     traceback. `save=False` (checkpoint=none: nothing to save): the first Ctrl-C does that.
     """
 
-    def __init__(self, save: bool = True):
+    def __init__(self, save: bool = True, launcher: int | None = None):
         self.received: int | None = None
+        #: The launcher's pid (None: not a launcher's worker), and whether it is gone.
+        self.launcher = launcher
+        self.orphaned = False
         #: After `agreed` returned True: the signal's name and the ranks that received one.
         self.name: str | None = None
         self.ranks: list[int] = []
@@ -511,14 +556,33 @@ class StopSignal:
         # checkpoint=none keeps SIGUSR1's and SIGTERM's default meaning (terminate).
         signals = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT) if save else (signal.SIGINT,)
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+        if launcher is not None and PARENT_DEATH_SIGNAL is not None:
+            sig = PARENT_DEATH_SIGNAL
+            self._previous[sig] = signal.signal(sig, self._launcher_gone)
+            if set_parent_death_signal(sig) and (os.getppid() != launcher or launcher == 1):
+                self._launcher_gone(sig, None)  # gone before the kernel was asked
         # slurm/run_trainer.py holds stop signals until now: one sent during the imports is
         # delivered here, to the handler (or, checkpoint=none, with its default action).
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGTERM})
 
     def restore(self) -> None:
-        """The handlers as they were (tools and tests call train.run several times)."""
+        """The handlers as they were (tools and tests call train.run several times), and no
+        signal on the launcher's end."""
+        if PARENT_DEATH_SIGNAL in self._previous:
+            set_parent_death_signal(0)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def _launcher_gone(self, signum, frame):
+        """PARENT_DEATH_SIGNAL: a thread of the launcher ended; when the launcher itself is
+        gone (this process has another parent now), stop as on SIGTERM, said once."""
+        if self.orphaned or os.getppid() == self.launcher:
+            return
+        self.orphaned = True
+        if not self.save:
+            self.stop_now(status=1, what="its launcher died (checkpoint=none: nothing to save)")
+        self._say_orphaned()
+        self.received = max(self.received or 0, signal.SIGTERM)
 
     def _handle(self, signum, frame):
         now = time.monotonic()
@@ -552,22 +616,43 @@ class StopSignal:
         except OSError:
             pass
 
-    def stop_now(self) -> None:
+    def _say_orphaned(self) -> None:
+        """The line of a launcher's end, said by the first trainer of each node (the launcher
+        that died is this node's), on fd 2 (see `_say_ahead`)."""
+        if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+            return
+        try:
+            ahead = self.ahead()
+        except Exception as e:  # the line must not cost the stop
+            ahead = f"({type(e).__name__} reading the step)"
+        line = (
+            f"stopping: the launcher of this node's trainers (pid {self.launcher}) is gone, "
+            f"so nothing would stop them: stopping {ahead}"
+        )
+        try:
+            os.write(2, f"{line}\n".encode())
+        except OSError:
+            pass
+
+    def stop_now(self, status: int = EXIT_INTERRUPTED, what: str | None = None) -> None:
         """End this process now (a signal handler: runs in the main thread between bytecodes):
-        the line, the run lock released, exit status EXIT_INTERRUPTED. Saves in flight are
-        abandoned: their `.tmp` directories are never committed (the next start removes
-        them); committed checkpoints are never touched."""
+        the line, the run lock released, exit status EXIT_INTERRUPTED (or `status`, with
+        `what` saying why). Saves in flight are abandoned: their `.tmp` directories are never
+        committed (the next start removes them); committed checkpoints are never touched."""
         try:
             line = self.stopped_line()
         except Exception as e:  # the line must not cost the exit
             line = f"stopped at once ({type(e).__name__} while reading what was saved)"
-        if int(os.environ.get("RANK", 0)) == 0:
+        if what is not None:
+            line = f"{what}; {line}"
+        who = "LOCAL_RANK" if what is not None else "RANK"  # a launcher's end: each node's
+        if int(os.environ.get(who, 0)) == 0:
             print(f"interrupted: {line}", file=sys.stderr, flush=True)
         try:
             self.release()
         finally:
             sys.stdout.flush()
-            os._exit(EXIT_INTERRUPTED)
+            os._exit(status)
 
     def agreed(self, device) -> bool:
         """All ranks stop at the same step if any rank got the signal (one collective: each
@@ -586,8 +671,10 @@ class StopSignal:
         return bool(self.ranks)
 
     def describe(self, world_size: int) -> str:
-        """E.g. "SIGTERM (received by rank 1 of 2)"."""
-        return f"{self.name} (received by {receivers(self.ranks, world_size)})"
+        """E.g. "SIGTERM (received by rank 1 of 2)"; "SIGTERM (this node's launcher died;
+        received by every rank)" on a rank whose launcher is gone."""
+        died = "this node's launcher died; " if self.orphaned else ""
+        return f"{self.name} ({died}received by {receivers(self.ranks, world_size)})"
 
 
 def receivers(ranks: list[int], world_size: int) -> str:

@@ -58,6 +58,7 @@ from config import (
 )
 from data import build_data, build_tokenizer, vocabulary_line
 from data.sources import check_source, corpus_fingerprint
+from divergence import Divergence
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config, format_duration
 from model import build_model, init_weights, resolve_impl, te_available
@@ -97,6 +98,7 @@ from runtime import (
     deterministic_env,
     end_process_group,
     exit_status,
+    launcher_pid,
     lost_peer_line,
     out_of_memory_line,
     peak_memory_gb,
@@ -497,7 +499,8 @@ def run(cfg: Config) -> int:
     # Installed first so a stop signal or Ctrl-C during setup is not fatal; without
     # checkpoints SIGTERM and SIGUSR1 keep their default meaning (terminate) and a Ctrl-C
     # stops at once in one line.
-    stop = StopSignal(save=cfg.checkpoint.mode != "none")
+    # A worker of a launcher (torchrun) also stops when the launcher dies (runtime.StopSignal).
+    stop = StopSignal(save=cfg.checkpoint.mode != "none", launcher=launcher_pid())
     register_stack_dump()  # kill -USR2 <pid>: where a run that seems stuck is
     try:
         return _run(cfg, stop)
@@ -736,6 +739,8 @@ def _build(loop: Loop, tokenizer, resume_from: int, hf_weights, threads_line) ->
         eval_every=cfg.eval.every if loop.eval_batches is not None else 0,
     )
     loop.layout = batch_layout(loop.loader, dims, loop.impl)
+    ratio = cfg.train.divergence_ratio  # the run stops when it diverges (0: never)
+    loop.ckpt.watch_divergence(Divergence(ratio, cfg.optim.lr) if ratio > 0 else None)
     loop.profiler = StepProfiler(
         cfg.train.profile_steps, loop.run_dir, loop.rank, device, cfg.train.profile_memory
     )
@@ -848,7 +853,8 @@ def _step(loop: Loop, step: int):
     )
     ts = loop.train_state
     ts.step, ts.tokens_seen = step, ts.tokens_seen + loop.tokens_per_step
-    loop.ckpt.observe_loss(step, loss)  # on device; checked before saves and at log steps
+    # On the device: checked before saves and at log steps (non-finite, divergence.py).
+    loop.ckpt.observe_loss(step, loss, grad_norm)
     if (trace := loop.profiler.end(step)) is not None:
         loop.logger.info(f"profile of steps {loop.cfg.train.profile_steps} written to {trace}")
     return loss, grad_norm
@@ -912,9 +918,10 @@ def _log_step(loop: Loop, step: int, loss, grad_norm, val_loss, switch_to) -> fl
 
 
 def _check_loss(loop: Loop, step: int, loss_value: float) -> None:
-    """The log step's loss checks: a non-finite loss stops the run (nothing of it is saved);
-    a resumed segment's first losses against the run's (checkpoint/health.py)."""
-    loop.ckpt.check_finite(step)
+    """The log step's loss checks: a non-finite loss or a diverged run (divergence.py) stops
+    the run (nothing of it is saved); a resumed segment's first losses against the run's
+    (checkpoint/health.py)."""
+    loop.ckpt.check_finite(step, logged=loss_value)
     loop.ckpt.check_resumed_loss(step, loss_value)
 
 

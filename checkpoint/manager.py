@@ -4,7 +4,7 @@
     start_step = ckpt.resume(state)       # 0 when starting fresh
     for step in ...:
         ...
-        ckpt.observe_loss(step, loss)     # on device, no sync
+        ckpt.observe_loss(step, loss, grad_norm)   # on device, no sync
         ckpt.maybe_save(step, state)      # every checkpoint.interval steps
     ckpt.finish(step, state)              # final save, wait for async writes, close
 
@@ -76,12 +76,13 @@ checkpoint/save.py (`Saver`: when, stage, write, close; `InFlight`: the async sa
 settled in order; `Committer`: commit, prune, a failed save's error; `SaveRecords`: the
 numbers of every save), which share one checkpoint/context.py `Context` (settings, log, the
 two gloo groups and their collectives). The facade wires what crosses the two sides: the step
-a resume leaves as saved, the pruning hold of the loss watch, and the loss guard (checked
-before every save).
+a resume leaves as saved, the pruning that follows the loss watch's verdict, and the loss
+guard (checked before every save).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -103,7 +104,8 @@ from checkpoint.resume import (
     resumes,
 )
 from checkpoint.save import Saver
-from errors import ConfigError, NonFiniteLossError
+from divergence import FLAT, Divergence, StepStats
+from errors import ConfigError, DivergenceError, NonFiniteLossError
 
 # Single-process runs save and load without a process group on purpose.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
@@ -138,25 +140,61 @@ def close_open() -> None:
 
 
 class _LossGuard:
-    """The first step whose loss was not finite, kept on the loss's device (no host sync)."""
+    """What each step's loss and gradient norm show, kept on the loss's device (no host
+    sync): the first step whose loss was not finite, the largest loss since the last read and
+    its step, the first step's loss, and the run of steps with a gradient norm of exactly 0
+    and a flat loss (divergence.py). `read` takes them to the host: one sync and, with a
+    group, one small all-gather."""
+
+    #: The order of the numbers kept (one float64 each).
+    FIELDS = ("first_bad", "peak", "peak_step", "first", "dead_steps", "dead_from", "dead_loss")
 
     def __init__(self):
         self.first_bad: torch.Tensor | None = None
 
-    def observe(self, step: int, loss: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss.detach()).all()
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        loss = loss.detach().double()
         if self.first_bad is None:
-            self.first_bad = torch.full((), _NO_BAD_STEP, dtype=torch.int64, device=loss.device)
+            full = lambda v: torch.full((), v, dtype=torch.float64, device=loss.device)  # noqa: E731
+            self.first_bad, self.peak, self.peak_step = full(_NO_BAD_STEP), full(-math.inf), full(0)
+            self.first = loss.clone()
+            self.dead_steps, self.dead_from, self.dead_loss = full(0), full(0), full(0)
+        bad = ~torch.isfinite(loss)
         self.first_bad = torch.where(bad, self.first_bad.clamp(max=step), self.first_bad)
+        higher = loss > self.peak  # False for nan
+        self.peak = torch.where(higher, loss, self.peak)
+        self.peak_step = torch.where(higher, step, self.peak_step)
+        if grad_norm is not None:
+            zero = grad_norm.detach() == 0
+            flat = (loss - self.dead_loss).abs() <= FLAT * self.dead_loss.abs()
+            going_on = zero & (self.dead_steps > 0) & flat
+            begins = zero & ~going_on
+            self.dead_steps = torch.where(going_on, self.dead_steps + 1, begins.double())
+            self.dead_from = torch.where(begins, step, self.dead_from)
+            self.dead_loss = torch.where(begins, loss, self.dead_loss)
 
-    def first(self, group) -> int | None:
-        """The first non-finite step over all ranks (a host sync and, with a group, a scalar
-        all-reduce), or None."""
-        value = torch.tensor([int(self.first_bad.item())])
+    def read(self, group) -> tuple[int | None, StepStats]:
+        """The numbers over every rank (a host sync, and with a group an all-gather of 7
+        numbers a rank): the first non-finite step (None: none) and the StepStats; the
+        largest loss is then forgotten (the next read covers the steps after this one)."""
+        mine = torch.stack([getattr(self, f) for f in self.FIELDS]).cpu()
+        self.peak = torch.full_like(self.peak, -math.inf)
+        ranks = [mine]
         if group is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-        v = int(value.item())
-        return v if v < _NO_BAD_STEP else None
+            ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(ranks, mine, group=group)
+        rows = [dict(zip(self.FIELDS, r.tolist())) for r in ranks]
+        top = max(rows, key=lambda r: r["peak"])
+        dead = min(rows, key=lambda r: r["dead_steps"])  # dead on every rank
+        bad = min(r["first_bad"] for r in rows)
+        return int(bad) if bad < _NO_BAD_STEP else None, StepStats(
+            peak=top["peak"] if top["peak"] > -math.inf else None,
+            peak_step=int(top["peak_step"]) if top["peak"] > -math.inf else None,
+            first=sum(r["first"] for r in rows) / len(rows),
+            dead_steps=int(dead["dead_steps"]),
+            dead_from=int(dead["dead_from"]),
+            dead_loss=dead["dead_loss"],
+        )
 
 
 class CheckpointManager:
@@ -198,6 +236,8 @@ class CheckpointManager:
         _OPEN.add(self)  # from here on, a failure below leaves close_open to release the lock
         self._ctx = Context.create(cfg, self.run_dir, rank, world_size, self._log, corpus)
         self._guard = _LossGuard()
+        self._divergence: Divergence | None = None
+        self._checked = 0  # the last step check_finite passed
         self.resumer = Resumer(self._ctx)
         self.saver = Saver(self._ctx, check_finite=self.check_finite)
         self.saver.start()
@@ -230,6 +270,7 @@ class CheckpointManager:
         when starting fresh). Call once, on every rank, before the first save; after
         `plan_resume` it loads what that decided."""
         step = self.resumer.resume(state)
+        self._checked = step
         if self.resumer.loaded is not None:  # saves go on from a checkpoint of this directory
             self.saver.last_saved_step = step if self.resumer.resumed is not None else None
         return step
@@ -249,23 +290,26 @@ class CheckpointManager:
     # -- a resumed segment's health (checkpoint/health.py) ------------------------------------
 
     def watch_resumed_loss(self, records: list[dict] | None, policy: str = "stop") -> None:
-        """After `resume`: hold the checkpoints up to the resumed step from pruning until the
-        segment's first logged losses are within the range of `records` (rank 0's
-        metrics.jsonl; other ranks pass None), judged by `check_resumed_loss`. Nothing to
-        watch without a resume in this directory, without enough logged history, or with
-        policy off. Call on every rank."""
-        hold = self.resumer.watch_loss(records, policy)
-        if hold is not None:
-            self.saver.committer.hold = hold
+        """After `resume`: judge the resumed segment's first logged losses against `records`
+        (rank 0's metrics.jsonl; other ranks pass None), by `check_resumed_loss`. Until the
+        healthy verdict, the checkpoints from the resumed step on are unconfirmed, on disk
+        (checkpoint/store.py), and pruning keeps the newest confirmed one. A resume of a
+        checkpoint saved after an earlier resume that was never judged goes on judging that
+        one, and may stop here already. Nothing to watch without a resume in this directory,
+        without enough logged history, or with policy off. Call on every rank."""
+        self._act_on(*self.resumer.watch_loss(records, policy))
 
     def check_resumed_loss(self, step: int, loss: float) -> None:
-        """Every rank at each log step, with the logged (rank-reduced) loss: releases the hold
-        once the resumed segment is healthy; when its first losses are all above the range,
-        stops the run in one line naming the checkpoint it resumed from and the older one
-        kept (resume.loss_check=stop), or says so and goes on holding them (continue)."""
-        verdict, line = self.resumer.judge_loss(step, loss)
+        """Every rank at each log step, with the logged (rank-reduced) loss: confirms the
+        checkpoints and prunes as usual once the resumed segment is healthy; when its first
+        losses are above what the run logged before, stops the run in one line naming the
+        checkpoint it resumed from and the confirmed one kept (resume.loss_check=stop), or
+        says so and goes on keeping it (continue)."""
+        self._act_on(*self.resumer.judge_loss(step, loss))
+
+    def _act_on(self, verdict: str | None, line: str) -> None:
         if verdict == "healthy":
-            self.saver.committer.release_hold()
+            self.saver.committer.prune_again()
         elif verdict == "stop":
             try:
                 self.saver.wait_all()
@@ -275,29 +319,50 @@ class CheckpointManager:
 
     # -- losses -------------------------------------------------------------------------------
 
-    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
-        """Remember (on the device, no sync) whether this step's loss was finite."""
-        self._guard.observe(step, loss)
+    def observe_loss(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None = None
+    ) -> None:
+        """Remember (on the device, no sync) whether this step's loss was finite, and what
+        the divergence check reads (the largest loss, a zero gradient norm)."""
+        self._guard.observe(step, loss, grad_norm)
 
-    def check_finite(self, step: int) -> None:
-        """Every rank at the same step (log steps, and before every save): stop with a
-        NonFiniteLossError when a loss observed so far was not finite. In-flight saves (of
-        earlier, finite steps) are committed first; nothing later is saved."""
+    def watch_divergence(self, rule: Divergence | None) -> None:
+        """Judge the losses and gradient norms observed by `rule` (divergence.py) at every
+        `check_finite`: a diverged run stops there, before anything of it is saved."""
+        self._divergence = rule
+
+    def check_finite(self, step: int, logged: float | None = None) -> None:
+        """Every rank at the same step (log steps, with the step's `logged` loss; and before
+        every save): stop with a NonFiniteLossError when a loss observed so far was not
+        finite, or with a DivergenceError when the divergence rule says the run diverged
+        (`watch_divergence`). In-flight saves (of earlier, checked steps) are committed
+        first; nothing later is saved."""
         if self._guard.first_bad is None:
             return
-        bad = self._guard.first(self._ctx.ctl)
-        if bad is None:
+        bad, stats = self._guard.read(self._ctx.ctl)
+        rule = self._divergence
+        line = rule.judge(step, stats) if bad is None and rule is not None else None
+        if rule is not None and logged is not None:
+            rule.logged(logged)
+        if bad is None and line is None:
+            self._checked = step
             return
         try:
             self.saver.wait_all()
         finally:
             self.close()
-        newest = store.newest_complete(self.root) if self.saving else None
-        raise NonFiniteLossError(
-            f"the loss is not finite (nan or inf) at step {bad}; training stopped at step {step} "
-            f"and nothing from step {bad} on was saved (newest checkpoint: "
-            f"{newest.path if newest else 'none'}); lower optim.lr, check the data or the "
-            "precision recipe, then resume"
+        found = store.newest_complete(self.root) if self.saving else None
+        newest = found.path if found else "none"
+        if bad is not None:
+            raise NonFiniteLossError(
+                f"the loss is not finite (nan or inf) at step {bad}; training stopped at step "
+                f"{step} and nothing from step {bad} on was saved (newest checkpoint: "
+                f"{newest}); lower optim.lr, check the data or the precision recipe, then resume"
+            )
+        after = f" after step {self._checked}" if self._checked else ""
+        raise DivergenceError(
+            f"{line}; training stopped at step {step} and nothing{after} was saved (newest "
+            f"checkpoint: {newest}); {rule.hint(found is not None)}"
         )
 
     # -- save (checkpoint/save.py) ------------------------------------------------------------
@@ -338,6 +403,8 @@ class CheckpointManager:
             return
         self.saver.finish(step, state, save)
         self._ctx.barrier()
+        if self.saving and self.rank == 0 and (pending := self.resumer.pending_line()):
+            self._log(pending)
         self.close()
 
     def stopped_line(self, step: int) -> str:

@@ -7,8 +7,8 @@ first losses.
     step = resumer.resume(state)                # loads what plan_resume decided
 
 Why a module of its own: resuming reads, the save side writes; they share nothing but the
-manager's context, the step a resume leaves as saved (`loaded`, `resumed`) and the hold on
-pruning that the loss watch sets (`watch_loss`, `judge_loss`, wired by checkpoint/manager.py).
+manager's context, the step a resume leaves as saved (`loaded`, `resumed`) and the record of
+an unconfirmed resume that pruning reads (`watch_loss`, `judge_loss`: store.UNCONFIRMED).
 
 The decision (rank 0, filesystem only: `decide`) is a chain of checks, each a function that
 returns the one-line error every rank raises, or None: `_locate` (the spec: auto, a path),
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hashing, store
 from checkpoint.context import ERRORS, Context, checkpoint_root, find, first_line
-from checkpoint.health import Recent, ResumeWatch
+from checkpoint.health import Recent, ResumeWatch, logged_losses
 from checkpoint.planners import BlockLoadPlanner
 from checkpoint.reader import CheckpointReader, first_problem
 from checkpoint.state import ModelState, TrainState
@@ -179,11 +179,14 @@ def decide(
         if ctx.saving:
             for p in store.abandon_newer(ctx.root, -1):
                 ctx.log(f"checkpoint.resume=none: existing checkpoint moved aside: {p}")
+            store.clear_unconfirmed(ctx.root)  # a fresh timeline: nothing of it to judge
         return _fresh()
     found, error = _locate(ctx, spec)
     if error is not None:
         return _refused(error)
     if found is None:
+        if ctx.saving and spec == "auto":
+            store.clear_unconfirmed(ctx.root)  # no checkpoint left that it could be about
         return _fresh()
     hint = _previous_hint(found)
     error = _integrity_error(ctx, found.path, hint) or _step_error(found.path, hint)
@@ -378,6 +381,9 @@ class Resumer:
         self.resumed: tuple[Path, int] | None = None
         self._watch: ResumeWatch | None = None
         self._watch_policy = "off"
+        #: The step of the resume being judged (an earlier one than `resumed`'s when a
+        #: segment saved after it stopped before its verdict: `watch_loss`).
+        self._judged_from: int | None = None
 
     def plan_resume(
         self,
@@ -643,50 +649,142 @@ class Resumer:
 
     # -- a resumed segment's health (checkpoint/health.py) ----------------------------------
 
-    def watch_loss(self, records: list[dict] | None, policy: str = "stop") -> int | None:
-        """CheckpointManager.watch_resumed_loss: the step whose checkpoints are held from
-        pruning while the resumed segment's first losses are judged (None: nothing to watch).
-        A collective (a broadcast of what rank 0's metrics show before the resume)."""
+    def watch_loss(
+        self, records: list[dict] | None, policy: str = "stop"
+    ) -> tuple[str | None, str]:
+        """CheckpointManager.watch_resumed_loss: start judging this resume, on disk first.
+
+        A resume of checkpoint s in this directory is judged by the first losses logged after
+        it, against what the run logged up to it. The judgment is recorded in the checkpoint
+        directory (store.UNCONFIRMED, rank 0) before anything is saved: checkpoints from s on
+        are unconfirmed until the healthy verdict, and pruning keeps the newest one older than
+        s. When that record already names an earlier step r <= s (a run that stopped, or
+        reached train.steps, after saving but before its verdict), this resume goes on judging
+        r: the losses logged after r (metrics.jsonl, up to s) count as judged ones, not as
+        history, and the verdict may come at once. Returns what `judge_loss` does: a verdict
+        reached already ("healthy", "stop") or (None, ""). A collective (rank 0 reads and
+        decides; every rank hears it)."""
         ctx = self.ctx
-        recent = None
-        if ctx.rank == 0 and records is not None and self.resumed is not None:
-            recent = Recent.from_records(records, self.resumed[1])
-        recent = ctx.broadcast(recent)
-        if recent is None or policy == "off" or not ctx.saving or self.resumed is None:
+        plan = None
+        if ctx.rank == 0:
+            plan = self._watch_plan(records)
+        plan = ctx.broadcast(plan)
+        if plan is None:
+            return None, ""
+        if plan.get("error"):
+            raise ConfigError(plan["error"])
+        recent, judged_from = plan["recent"], plan["from"]
+        if recent is None or policy == "off" or not ctx.saving:
+            if ctx.rank == 0 and ctx.saving and store.clear_unconfirmed(ctx.root):
+                why = "resume.loss_check=off" if policy == "off" else "too few losses logged"
+                ctx.log(
+                    f"checkpoints from step {judged_from} on are taken as confirmed ({why}: "
+                    "their resume is not judged)"
+                )
+            return None, ""
+        self._watch = ResumeWatch(recent, seen=list(plan["seen"]))
+        self._watch_policy, self._judged_from = policy, judged_from
+        if ctx.rank == 0:
+            store.write_unconfirmed(
+                ctx.root,
+                {"resumed_from": judged_from, "resumed_at": self.resumed[1], "time": time.time()},
+            )
+        if self._watch.seen and judged_from != self.resumed[1]:
+            steps = [s for s, _ in self._watch.seen]
+            at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            ctx.log(
+                f"the resume from step {judged_from} is not judged yet: its losses at {at} "
+                f"were logged before {store.step_name(self.resumed[1])} was saved; they are "
+                "judged with this segment's"
+            )
+        return self._verdict(self._watch.decide())
+
+    def _watch_plan(self, records: list[dict] | None) -> dict | None:
+        """Rank 0: what `watch_loss` judges (None: not a resume of this directory)."""
+        ctx = self.ctx
+        if self.resumed is None:
             return None
-        self._watch, self._watch_policy = ResumeWatch(recent), policy
-        return self.resumed[1]
+        step = self.resumed[1]
+        judged_from = step
+        if ctx.saving:
+            try:
+                record = store.read_unconfirmed(ctx.root)
+            except store.UnreadableRecord as e:
+                return {
+                    "error": f"cannot read which checkpoints are unconfirmed ({e}); remove "
+                    f"{ctx.root / store.UNCONFIRMED} to take every checkpoint there as "
+                    "confirmed, or resume an older checkpoint with checkpoint.resume=PATH"
+                }
+            if record is not None and record["resumed_from"] <= step:
+                judged_from = record["resumed_from"]
+        records = records or []
+        return {
+            "from": judged_from,
+            "recent": Recent.from_records(records, judged_from),
+            "seen": [(s, v) for s, v in logged_losses(records, step) if s > judged_from],
+        }
 
     def judge_loss(self, step: int, loss: float) -> tuple[str | None, str]:
         """The watch's verdict on a logged loss: ("healthy", "") once the segment is healthy
-        (logged), ("stop", line) when the run must stop with `line`, (None, "") otherwise
-        (nothing watched, still judging, or unhealthy under resume.loss_check=continue:
-        logged, still held)."""
+        (logged; the checkpoints are confirmed), ("stop", line) when the run must stop with
+        `line`, (None, "") otherwise (nothing watched, still judging, or unhealthy under
+        resume.loss_check=continue: logged, still unconfirmed)."""
         if self._watch is None:
             return None, ""
-        verdict = self._watch.observe(step, loss)
+        return self._verdict(self._watch.observe(step, loss))
+
+    def _verdict(self, verdict: str | None) -> tuple[str | None, str]:
+        ctx = self.ctx
         if verdict == "healthy":
-            self.ctx.log(f"resumed segment healthy: {self._watch.describe()}")
+            ctx.log(f"resumed segment healthy: {self._watch.describe()}")
+            if ctx.rank == 0:
+                store.clear_unconfirmed(ctx.root)
             return "healthy", ""
         if verdict != "unhealthy":
             return None, ""
         line = self._unhealthy_line()
         if self._watch_policy == "continue":
-            self.ctx.log(f"warning: {line}; going on (resume.loss_check=continue), holding it")
+            ctx.log(
+                f"warning: {line}; going on (resume.loss_check=continue), keeping it and "
+                "leaving the checkpoints since unconfirmed"
+            )
             return None, ""
         return "stop", f"{line}; or go on with resume.loss_check=continue"
 
+    def pending_line(self) -> str | None:
+        """At the end of a segment whose resume is not judged yet: what stays unconfirmed and
+        what is kept for it (None: nothing pending)."""
+        watch = self._watch
+        if watch is None or watch.verdict is not None:
+            return None
+        confirmed = store.newest_confirmed(store.list_complete(self.ctx.root), self._judged_from)
+        kept = f"; {confirmed.path} is kept until then" if confirmed else ""
+        return (
+            f"the resume from step {self._judged_from} is not judged yet ({len(watch.seen)} of "
+            f"the {watch.needed} logged losses it takes): the checkpoints from step "
+            f"{self._judged_from} on stay unconfirmed, and the next resume judges it{kept}"
+        )
+
     def _unhealthy_line(self) -> str:
         path, resumed_step = self.resumed
-        older = [c for c in store.list_complete(self.ctx.root) if c.step < resumed_step]
+        judged = self._judged_from
+        confirmed = store.newest_confirmed(store.list_complete(self.ctx.root), judged)
         kept = (
-            f"the older checkpoint {older[-1].path} is kept: resume from it with "
-            f"checkpoint.resume={older[-1].path}"
-            if older
+            f"the older checkpoint {confirmed.path} is kept: resume from it with "
+            f"checkpoint.resume={confirmed.path}"
+            if confirmed
             else "no older checkpoint is kept (checkpoint.keep_last=1 pruned it before)"
         )
+        if judged != resumed_step:
+            path = path.with_name(store.step_name(judged))
+            via = (
+                f"; this run resumed from {store.step_name(resumed_step)}, saved after it "
+                "before its losses were judged"
+            )
+        else:
+            via = ""
         return (
-            f"the loss after resuming from {path} (step {resumed_step}) is above what this "
+            f"the loss after resuming from {path} (step {judged}{via}) is above what this "
             f"run logged just before it: {self._watch.describe()}; that checkpoint may hold "
             "damage its checks cannot see (a changed weight whose hash was rewritten, or "
             f"checkpoint.checksum=false); {kept}"

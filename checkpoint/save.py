@@ -110,14 +110,12 @@ class SaveRecords:
 
 class Committer:
     """Rank 0's commit of a written save, the pruning of old checkpoints, and the error a
-    failed save raises. `hold`: checkpoints up to this step are not pruned (a resumed segment
-    not yet healthy: CheckpointManager.watch_resumed_loss)."""
+    failed save raises. Pruning keeps the newest confirmed checkpoint while newer ones are
+    unconfirmed (a resume not judged yet: store.UNCONFIRMED, read from disk at each prune)."""
 
     def __init__(self, ctx: Context, algorithm: str | None):
         self.ctx = ctx
         self._algorithm = algorithm
-        #: Checkpoints up to this step are not pruned (a resumed segment not yet healthy).
-        self.hold: int | None = None
         # Rank 0 deletes old checkpoints on a thread of its own: the next save need not wait
         # for it (deleting a 14 GiB checkpoint took ~4.5 s on an H200 host's disk).
         self._pruner: ThreadPoolExecutor | None = None
@@ -155,7 +153,12 @@ class Committer:
         ctx = self.ctx
         failed: list[tuple[Path, Path, str]] = []
         try:
-            pruned = store.prune(ctx.root, ctx.cfg.keep_last, failed, hold=self.hold)
+            record = store.read_unconfirmed(ctx.root)
+            unconfirmed_from = record["resumed_from"] if record else None
+            pruned = store.prune(ctx.root, ctx.cfg.keep_last, failed, unconfirmed_from)
+        except store.UnreadableRecord as e:  # which one is confirmed is unknown: keep all
+            ctx.log(f"not pruning: cannot read which checkpoints are unconfirmed ({e})")
+            return
         except OSError as e:  # a checkpoint left behind costs space, never a run
             ctx.log(f"could not prune old checkpoints in {ctx.root}: {e}")
             return
@@ -167,9 +170,9 @@ class Committer:
                 "taking space until removed); training goes on"
             )
 
-    def release_hold(self) -> None:
-        """The resumed segment is healthy: prune what the hold kept (rank 0, if it pruned)."""
-        self.hold = None
+    def prune_again(self) -> None:
+        """Every checkpoint was confirmed: prune what was kept for them (rank 0, if it
+        pruned)."""
         if self.ctx.rank == 0 and self._pruner is not None:
             self._pruner.submit(self.prune)
 

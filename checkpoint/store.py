@@ -17,6 +17,16 @@ name (DCP reads items by offset and never sees it), so a file swapped in from an
 caught even without hashes. Anything else under <root> (`*.tmp` left by a killed run) is
 ignored by resume and removed by `clean_partial`.
 
+    <root>/unconfirmed.json      a resumed segment whose first losses are not judged yet:
+                                 the step it resumed from; that checkpoint and every newer
+                                 one are unconfirmed (checkpoint/health.py)
+
+A resume writes `unconfirmed.json` before its segment saves anything, and the guard's healthy
+verdict removes it; both by one atomic rename or unlink. While it is there, `prune` keeps the
+newest checkpoint older than the step it names (the newest confirmed one) whatever
+`keep_last` says, and the next resume of a newer checkpoint goes on judging the same resume
+(the losses logged after that step are what the verdict is about, not history).
+
 Every function here is called on rank 0 only (the manager broadcasts what it decides).
 """
 
@@ -38,6 +48,8 @@ from checkpoint import hashing
 
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
+#: The unconfirmed resume of this checkpoint directory (see the module docstring).
+UNCONFIRMED = "unconfirmed.json"
 TMP_SUFFIX = ".tmp"
 #: Complete checkpoints of an abandoned timeline (a resume from an older step, or resume=none,
 #: in a directory that already held newer ones) are renamed with this suffix, never deleted.
@@ -364,17 +376,19 @@ def prune(
     root: Path,
     keep_last: int,
     failed: list[tuple[Path, Path, str]] | None = None,
-    hold: int | None = None,
+    unconfirmed_from: int | None = None,
 ) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep_last` (keep_last >= 1, so the
     newest complete one always stays; `.tmp` directories being written are never listed).
     Returns the checkpoints deleted; one whose files could not all be deleted is left renamed
     to `*.pruned.tmp` (ignored by resume) and goes to `failed` as (checkpoint, where it is
-    now, the first error) instead. `hold`: checkpoints up to this step are kept whatever
-    their number (a resumed segment not yet shown healthy: checkpoint/health.py)."""
+    now, the first error) instead. `unconfirmed_from`: the checkpoints from this step on are
+    unconfirmed (`read_unconfirmed`), and the newest one older than it is kept whatever
+    `keep_last` says."""
     done = list_complete(root)
     victims = done[: max(0, len(done) - max(1, keep_last))]
-    victims = [c for c in victims if hold is None or c.step > hold]
+    confirmed = newest_confirmed(done, unconfirmed_from)
+    victims = [c for c in victims if c != confirmed]
     deleted = []
     for c in victims:
         # Rename first so a crash mid-delete leaves an ignored .tmp, not a damaged checkpoint.
@@ -388,6 +402,58 @@ def prune(
         else:
             deleted.append(c.path)
     return deleted
+
+
+def newest_confirmed(done: list[Checkpoint], unconfirmed_from: int | None) -> Checkpoint | None:
+    """Of the complete checkpoints `done` (oldest first), the newest one older than
+    `unconfirmed_from` (None: nothing is unconfirmed, and nothing is returned)."""
+    if unconfirmed_from is None:
+        return None
+    older = [c for c in done if c.step < unconfirmed_from]
+    return older[-1] if older else None
+
+
+class UnreadableRecord(Exception):
+    """`unconfirmed.json` is there but does not read as a record (edited, or a disk error)."""
+
+
+def read_unconfirmed(root: Path) -> dict | None:
+    """The record of the unconfirmed resume of `root` ({"resumed_from": step, ...}), or None
+    when there is none; UnreadableRecord when the file is there but is not one."""
+    path = root / UNCONFIRMED
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UnreadableRecord(f"{path}: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("resumed_from"), int):
+        raise UnreadableRecord(f"{path}: not a record of an unconfirmed resume")
+    return record
+
+
+def write_unconfirmed(root: Path, record: dict) -> None:
+    """`record` as `root`'s unconfirmed resume, atomically (a new file renamed over the old
+    one) and durably (the file and the directory fsync'ed)."""
+    path = root / UNCONFIRMED
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with tmp.open("w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    _fsync_dir(root)
+
+
+def clear_unconfirmed(root: Path) -> bool:
+    """Remove `root`'s unconfirmed resume (every checkpoint is confirmed); False when there
+    was none."""
+    try:
+        os.unlink(root / UNCONFIRMED)
+    except FileNotFoundError:
+        return False
+    _fsync_dir(root)
+    return True
 
 
 def _rmtree_noting(path: Path, errors: list[str]) -> None:

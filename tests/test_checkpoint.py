@@ -114,6 +114,31 @@ def test_layout_commit_list_verify_prune(tmp_path):
     assert stray.exists()
 
 
+def test_prune_keeps_the_newest_confirmed_checkpoint_and_the_record_on_disk(tmp_path):
+    """store.UNCONFIRMED: written atomically, read back, refused when unreadable; pruning
+    keeps the newest checkpoint older than the unconfirmed ones, whatever keep_last says."""
+    for step in (10, 20, 30, 40, 50):
+        _fake_checkpoint(tmp_path, step)
+    assert store.read_unconfirmed(tmp_path) is None
+    store.write_unconfirmed(tmp_path, {"resumed_from": 30, "time": 1.0})
+    assert store.read_unconfirmed(tmp_path) == {"resumed_from": 30, "time": 1.0}
+    assert not list(tmp_path.glob("*.tmp"))  # written to a new file, renamed over
+    record = store.read_unconfirmed(tmp_path)["resumed_from"]
+    assert [p.name for p in store.prune(tmp_path, 1, unconfirmed_from=record)] == [
+        "step_0000010",
+        "step_0000030",
+        "step_0000040",
+    ]
+    assert [c.step for c in store.list_complete(tmp_path)] == [20, 50]  # 20: newest before 30
+    # Nothing older than the unconfirmed ones: keep_last alone decides.
+    assert [p.name for p in store.prune(tmp_path, 1, unconfirmed_from=20)] == ["step_0000020"]
+    assert store.clear_unconfirmed(tmp_path) and store.read_unconfirmed(tmp_path) is None
+    for text in ("{not json", '{"resumed_from": "30"}', "[]"):
+        (tmp_path / store.UNCONFIRMED).write_text(text)
+        with pytest.raises(store.UnreadableRecord, match=str(tmp_path / store.UNCONFIRMED)):
+            store.read_unconfirmed(tmp_path)
+
+
 def test_layout_find_commit_over_existing_and_abandon(tmp_path):
     root = tmp_path / "checkpoints"
     _fake_checkpoint(root, 10)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
+import signal
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -210,14 +212,45 @@ def _set_element(ckpt: Path, fqn: str, value: float, rewrite_hash: bool) -> None
 
 
 def _expected_limit(losses: list[float]) -> tuple[float, float, float]:
-    """checkpoint/health.py's rule, computed here with torch: (level, noise, limit) of the
-    last 8 losses logged every step."""
+    """checkpoint/health.py's rule, computed here with torch: (level, noise, limit) of
+    losses logged every step: the line through the last 8, the noise of the last 16 (1.4826
+    x the median absolute deviation of their differences, over sqrt 2)."""
     y = torch.tensor(losses[-8:], dtype=torch.float64)
     x = torch.arange(len(y), dtype=torch.float64)
     slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
     level = float(y.mean() + slope * (x[-1] - x.mean()))
-    noise = float(torch.diff(y).std() / 2**0.5)
+    d = torch.diff(torch.tensor(losses[-16:], dtype=torch.float64))
+    mad = (d - d.quantile(0.5)).abs().quantile(0.5)
+    noise = float(1.4826 * mad / 2**0.5)
     return level, noise, level + max(float(slope), 0) * 3 + max(5 * noise, 0.05 * level)
+
+
+def _guard_line(root: Path, records: list[dict], resumed: int = 12, via: int | None = None):
+    """(the guard's stop line, the judged losses, the limit) for a resume from `resumed`
+    whose first 3 logged losses are in `records` (metrics.jsonl), computed here; `via`: the
+    later checkpoint the stopped run resumed from."""
+    before = [r["loss"] for r in records if r["step"] <= resumed]
+    level, noise, limit = _expected_limit(before)
+    first = [r["loss"] for r in records if resumed < r["step"] <= resumed + 3]
+    above = sum(v > limit for v in first)
+    ckpt = root / f"step_{resumed:07d}"
+    how = (
+        f"; this run resumed from step_{via:07d}, saved after it before its losses were judged"
+        if via
+        else ""
+    )
+    line = (
+        f"the loss after resuming from {ckpt} (step {resumed}{how}) is above what this run "
+        f"logged just before it: losses {', '.join(f'{v:.3f}' for v in first)} at steps "
+        f"{resumed + 1}-{resumed + 3} ({above} of 3 above), against at most {limit:.3f} (the "
+        f"level {level:.3f} that the last 8 losses logged before the resume (steps "
+        f"{resumed - 7}-{resumed}) lead to, + 5 x the step-to-step noise of the last "
+        f"{min(len(before), 16)}, {noise:.3f}); that checkpoint may hold damage its checks "
+        "cannot see (a changed weight whose hash was rewritten, or checkpoint.checksum=false); "
+        f"the older checkpoint {root / 'step_0000008'} is kept: resume from it with "
+        f"checkpoint.resume={root / 'step_0000008'}"
+    )
+    return line, first, limit
 
 
 @pytest.mark.parametrize("checksum, policy", [(True, "stop"), (False, "stop"), (True, "continue")])
@@ -250,55 +283,157 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
         close_open()
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
     before = [r["loss"] for r in records if r["step"] <= 12]
-    level, noise, limit = _expected_limit(before)
-    first = [r["loss"] for r in records if 13 <= r["step"] <= 15]
+    expected, first, limit = _guard_line(root, records)
     assert min(first) > limit  # the damage shows in the loss (what the check relies on)
     assert min(first) > before[0] - 0.1  # back at the untrained model's loss ...
     assert max(first) < max(before) + max(before) - min(before)  # ... which the old rule passed
-    expected = (
-        f"the loss after resuming from {root / 'step_0000012'} (step 12) is above what this run "
-        f"logged just before it: losses {', '.join(f'{v:.3f}' for v in first)} at steps 13-15, "
-        f"against at most {limit:.3f} (the level {level:.3f} that the last 8 losses logged "
-        f"before the resume (steps 5-12) lead to, + 5 x their step-to-step noise {noise:.3f}); "
-        "that checkpoint may hold damage its checks cannot see (a changed weight whose hash was "
-        "rewritten, or checkpoint.checksum=false); the older checkpoint "
-        f"{root / 'step_0000008'} is kept: resume from it with "
-        f"checkpoint.resume={root / 'step_0000008'}"
-    )
     if policy == "stop":
         assert str(e.value) == f"{expected}; or go on with resume.loss_check=continue"
         assert committed(root) == [8, 12]
         assert [r["step"] for r in records][-1] == 15  # stopped at the verdict
+        assert store.read_unconfirmed(root)["resumed_from"] == 12  # still unconfirmed
     else:
         assert (
-            f"checkpoint: warning: {expected}; going on (resume.loss_check=continue), holding it"
+            f"checkpoint: warning: {expected}; going on (resume.loss_check=continue), keeping "
+            "it and leaving the checkpoints since unconfirmed"
         ) in out.getvalue().splitlines()
-        assert committed(root) == [8, 12, 16, 20]  # keep_last=2, and the held 8 and 12
+        # keep_last=2, and 8: the newest confirmed one (12 and later stay unconfirmed)
+        assert committed(root) == [8, 16, 20]
+        assert store.read_unconfirmed(root)["resumed_from"] == 12
 
 
-def test_healthy_resume_releases_the_hold(trained, tmp_path):
-    """An intact checkpoint: the segment is declared healthy after 3 logged losses and the
-    older checkpoints are pruned as keep_last says."""
+def _resume(tmp: Path, *args: str, sigterm_at: int | None = None):
+    """train.py on tmp/r, in this process: (exit status, or the ConfigError it stopped
+    with; its output). `sigterm_at`: a SIGTERM sent to this process during that step."""
     import train
+
+    step = train._step
+
+    def sending(loop, s):
+        done = step(loop, s)
+        if s == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: mid-step
+        return done
+
+    out = io.StringIO()
+    try:
+        train._step = sending
+        with redirect_stdout(out):
+            try:
+                return train.run(_compose(tmp, "r", *args)), out.getvalue()
+            except ConfigError as e:
+                return e, out.getvalue()
+    finally:
+        train._step = step
+        close_open()
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
+
+
+_EXTEND = ["resume.accept=[train.steps]", *_RUN]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The `trained` run's config trained to step 16 without a stop: the reference."""
+    import train
+
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    try:
+        assert train.run(_compose(tmp, "r", "train.steps=16", *_RUN)) == 0
+    finally:
+        close_open()
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(tmp / "r")]
+
+
+def test_a_clean_resume_stopped_before_its_verdict_is_confirmed_by_the_next(
+    trained, uninterrupted, tmp_path
+):
+    """An intact checkpoint resumed, and the run done at step 13, after 1 of the 3 losses the
+    verdict takes: step 13's checkpoint is unconfirmed on disk and step 8 is kept. The next
+    resume judges the same resume (steps 13-15), says healthy, and pruning goes on as
+    keep_last says; every loss is the uninterrupted run's, bit for bit."""
+    shutil.copytree(trained, tmp_path / "r")
+    root = tmp_path / "r" / "checkpoints"
+    status, out = _resume(tmp_path, "train.steps=13", *_EXTEND)
+    assert status == 0, out
+    assert (
+        "checkpoint: the resume from step 12 is not judged yet (1 of the 3 logged losses it "
+        "takes): the checkpoints from step 12 on stay unconfirmed, and the next resume judges "
+        f"it; {root / 'step_0000008'} is kept until then"
+    ) in out.splitlines(), out
+    assert committed(root) == [8, 12, 13]
+    assert store.read_unconfirmed(root)["resumed_from"] == 12
+    status, out = _resume(tmp_path, "train.steps=16", *_EXTEND)
+    assert status == 0, out
+    healthy = [x for x in out.splitlines() if "resumed segment healthy" in x]
+    assert len(healthy) == 1 and " at steps 13-15 (0 of 3 above), " in healthy[0], out
+    assert store.read_unconfirmed(root) is None
+    assert committed(root) == [13, 16]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(tmp_path / "r")] == (
+        uninterrupted
+    )
+
+
+def _halve(kind: str):
+    def change(t, fqn, g, early):
+        return t * 0.5 if kind == "weights" or fqn == "model.lm_head.weight" else t
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "kind, first",
+    [
+        ("weights", ["train.steps=14"]),  # done after 2 of the 3 losses
+        ("weights", ["train.steps=20", "sigterm_at=13"]),  # stopped after 1
+        ("output head", ["train.steps=13"]),  # the milder damage, done after 1
+    ],
+)
+def test_a_resume_stopped_before_its_verdict_is_judged_by_the_next(
+    trained, tmp_path, monkeypatch, kind, first
+):
+    """Issue 55, item 1: step 12's weights (or its output head) halved, hashes rewritten; the
+    resumed run ends inside the guard's window (train.steps reached, or a SIGTERM). The
+    checkpoint it saved is unconfirmed on disk; the next resume judges the resume of step 12
+    (the losses logged after it are judged, not history), stops in one line and keeps step 8,
+    which resumes and trains on healthy."""
+    from tools import resume_guard_study as study
 
     shutil.copytree(trained, tmp_path / "r")
     root = tmp_path / "r" / "checkpoints"
-    out = io.StringIO()
-    try:
-        with redirect_stdout(out):
-            args = ["train.steps=16", "resume.accept=[train.steps]", *_RUN]
-            assert train.run(_compose(tmp_path, "r", *args)) == 0
-    finally:
-        close_open()
-    assert any(
-        x.startswith("checkpoint: resumed segment healthy: losses ")
-        for x in out.getvalue().splitlines()
-    ), out.getvalue()
-    assert committed(root) == [12, 16]
+    monkeypatch.setitem(study.DAMAGE, "halved", _halve(kind))
+    study.damage(root / "step_0000012", "halved")
+    assert store.verify(root / "step_0000012") is None  # every check passes
+    sigterm = [int(a.split("=")[1]) for a in first if a.startswith("sigterm_at=")]
+    args = [a for a in first if not a.startswith("sigterm_at=")]
+    status, out = _resume(tmp_path, *args, *_EXTEND, sigterm_at=sigterm[0] if sigterm else None)
+    saved = 13 if sigterm or "train.steps=13" in args else 14
+    assert status == (3 if sigterm else 0), out
+    assert committed(root) == [8, 12, saved]
+    assert store.read_unconfirmed(root)["resumed_from"] == 12
+    status, out = _resume(tmp_path, "train.steps=20", *_EXTEND)
+    records = _metrics(tmp_path / "r")
+    line, judged, limit = _guard_line(root, records, via=saved)
+    assert isinstance(status, ConfigError), out
+    assert str(status) == f"{line}; or go on with resume.loss_check=continue"
+    assert sum(v > limit for v in judged) >= 2
+    assert committed(root) == [8, 12, saved]  # the confirmed step 8 kept
+    if kind == "weights" and not sigterm:
+        # The way out the line names: step 8 resumes, the newer ones are moved aside, and
+        # its resume is judged (and found healthy) like any other.
+        status, out = _resume(
+            tmp_path, "train.steps=11", f"checkpoint.resume={root}/step_0000008", *_EXTEND
+        )
+        assert status == 0, out
+        assert " at steps 9-11 (0 of 3 above), " in out, out
+        assert committed(root) == [8, 11] and store.read_unconfirmed(root) is None
 
 
 def test_recent_losses_rule_on_synthetic_sequences():
-    from checkpoint.health import Recent, ResumeWatch
+    from checkpoint.health import Recent, ResumeWatch, step_noise
 
     def verdict(before, after, start=1):
         recent = Recent.from_losses(list(enumerate(before, start)))
@@ -311,14 +446,16 @@ def test_recent_losses_rule_on_synthetic_sequences():
     before = [5.565, 5.43, 5.17, 5.00, 4.69, 4.56, 4.54, 4.35, 4.38, 4.27, 4.18, 4.10]
     got, recent = verdict(before, [5.56, 5.55, 5.55])
     assert got == "unhealthy"
-    assert (recent.first_step, recent.last_step, recent.count) == (5, 12, 8)
+    assert (recent.first_step, recent.last_step, recent.count, recent.noise_count) == (5, 12, 8, 12)
     assert recent.level == pytest.approx(4.1)  # the line through steps 5-12, at step 12
-    assert recent.noise == pytest.approx(0.05097, abs=1e-5)
-    assert recent.limit == pytest.approx(4.1 + 5 * 0.05097, abs=1e-4)  # falling: no trend
-    # Its healthy continuation, one spiky batch included: healthy.
-    assert verdict(before, [4.05, 4.62, 3.98])[0] == "healthy"
+    # The 11 differences have the median -0.13 and lie a median 0.05 from it (by hand).
+    assert recent.noise == pytest.approx(1.4826 * 0.05 / 2**0.5)
+    limit = 4.1 + 5 * 1.4826 * 0.05 / 2**0.5  # falling: no trend; 5 noises > 5% of 4.1
+    assert recent.limit == pytest.approx(limit)
+    assert verdict(before, [4.05, 4.62, 3.98])[0] == "healthy"  # one spiky batch
     assert verdict(before, [4.34, 4.30, 4.35])[0] == "healthy"  # within 5 noises
-    assert verdict(before, [4.36, 4.37, 4.36])[0] == "unhealthy"  # all 3 beyond
+    assert verdict(before, [4.40, 4.05, 4.38])[0] == "unhealthy"  # 2 of the 3 beyond
+    assert verdict(before, [4.37, 4.37, 4.36])[0] == "unhealthy"
     # An early resume, only 3 losses before it: level and trend from those.
     got, recent = verdict([5.56, 5.20, 4.90], [5.56, 5.55, 5.54])
     assert got == "unhealthy" and recent.count == 3
@@ -329,13 +466,22 @@ def test_recent_losses_rule_on_synthetic_sequences():
     flat = Recent.from_losses([(s, 2.0) for s in range(1, 9)])
     assert (flat.noise, flat.limit) == (0.0, pytest.approx(2.1))
     assert verdict([2.0] * 8, [2.09, 2.09, 2.09])[0] == "healthy"
-    assert verdict([2.0] * 8, [2.11, 2.11, 2.11])[0] == "unhealthy"
+    assert verdict([2.0] * 8, [2.11, 2.0, 2.11])[0] == "unhealthy"
+    # One spiky batch (two large differences) moves neither the median nor the noise.
+    assert step_noise([1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 1.0]) == 0.0
     # A rising trend (0.1 a step) is carried over the 3 judged losses.
     rising = Recent.from_losses([(s, 3.0 + 0.1 * s) for s in range(1, 9)])
     assert rising.rise == pytest.approx(0.3) and rising.limit == pytest.approx(3.8 + 0.3 + 0.19)
     # log_every=5: the trend per step, carried over 3 logged losses (15 steps).
     spaced = Recent.from_losses([(5 * s, 3.0 + 0.1 * s) for s in range(1, 9)])
     assert spaced.rise == pytest.approx(0.3)
+    # Losses logged after the resumed step by a segment that stopped before its verdict
+    # count as judged ones: the verdict comes with the third loss, or at once.
+    recent = Recent.from_losses(list(enumerate(before, 1)))
+    watch = ResumeWatch(recent, seen=[(13, 5.56), (14, 5.55)])
+    assert watch.decide() is None and watch.observe(15, 4.0) == "unhealthy"
+    watch = ResumeWatch(recent, seen=[(13, 4.0), (14, 4.1), (15, 4.0), (16, 9.9)])
+    assert watch.decide() == "healthy" and [s for s, _ in watch.seen] == [13, 14, 15]
 
 
 def test_recent_losses_from_records():

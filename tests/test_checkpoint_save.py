@@ -70,20 +70,26 @@ def test_saver_checks_losses_then_commits_then_prunes(tmp_path, state):
     assert [r["save_step"] for r in saved if r["event"] == "saved"] == [1, 2, 3, 4]
 
 
-def test_committer_hold_keeps_the_resumed_checkpoints_until_released(tmp_path, state):
+def test_pruning_keeps_the_newest_confirmed_checkpoint_while_newer_are_unconfirmed(tmp_path, state):
+    """The record on disk (store.UNCONFIRMED: a resume from step 2 not judged yet) is read at
+    every prune: keep_last=1 keeps the newest, and step 1, the newest checkpoint older than
+    the unconfirmed ones, stays too; once the record is gone, the next prune removes it."""
     parts, train = state
     saver = Saver(_context(tmp_path, [], interval=1, keep_last=1), check_finite=lambda s: None)
     saver.start()
-    saver.committer.hold = 2
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    store.write_unconfirmed(root, {"resumed_from": 2})
     try:
         for step in range(1, 5):
             train.step = step
             saver.save(step, parts)
         saver.committer.wait_pruned()
-        assert committed(tmp_path / "checkpoints") == [1, 2, 4]  # 3 pruned, 1 and 2 held
-        saver.committer.release_hold()
+        assert committed(root) == [1, 4]  # 2 and 3 pruned: unconfirmed, not the fallback
+        assert store.clear_unconfirmed(root) and not store.clear_unconfirmed(root)
+        saver.committer.prune_again()
         saver.committer.wait_pruned()
-        assert committed(tmp_path / "checkpoints") == [4]
+        assert committed(root) == [4]
     finally:
         saver.close()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -201,7 +202,9 @@ def assert_same_curve(ref: Path, run: Path, steps: int = STEPS):
 def stop_line(log: str) -> int:
     """The step of the trainers' stop line ("stop signal ...: checkpoint at step N saved")."""
     found = re.findall(
-        r"^stop signal SIG\w+ \(received by [^)]*\): checkpoint at step (\d+)", log, re.M
+        r"^stop signal SIG\w+ \((?:[^;)]*; )?received by [^)]*\): checkpoint at step (\d+)",
+        log,
+        re.M,
     )
     assert found, log
     return int(found[-1])
@@ -221,6 +224,9 @@ def jobs(cluster):
     # Requeued by hand, and preempted (SIGTERM to the job's steps), mid-run.
     j.sbatch("requeue", "--time=10")
     j.sbatch("preempt", "--time=10")
+    # Its launcher (slurm/launch.py, torchrun's agent) killed mid-run: nothing forwards a stop
+    # to its trainer; the trainer hears of it from the kernel (issue 55).
+    j.sbatch("orphan", "--time=10")
     # Two nodes, one trainer each: dp_replicate across the nodes. Stopped mid-run by the
     # signal Slurm's warning sends (not requeued: the test resumes it on one node).
     j.sbatch("two", "--nodes=2", "--time=10", env={"REQUEUE": "0"}, overrides=hsdp)
@@ -299,6 +305,7 @@ def jobs(cluster):
                 check=True,
             ),
         ),
+        j.when_logged("orphan", 3, lambda: kill_launcher(j.ids["orphan"])),
         j.when_logged(
             "two",
             3,
@@ -341,6 +348,29 @@ def resumed_bitwise(jobs, name: str, info: dict) -> int:
     assert f"resumed_from_step={stopped}" in log.split("(restart 1)")[1], log
     assert_same_curve(jobs.runs / "ref", jobs.runs / name)
     return stopped
+
+
+def kill_launcher(job_id: str) -> None:
+    """SIGKILL to the job's launcher process (slurm/launch.py: torchrun's agent), on this host
+    as every node of the test cluster is."""
+    pattern = rf"^\S*python\S* slurm/launch\.py .*--rdzv-id={job_id}-0( |$)"
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    assert pids.split(), f"no launcher of job {job_id}"
+    for pid in pids.split():
+        os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_trainer_whose_launcher_is_killed_saves_requeues_and_resumes_bitwise(jobs):
+    """Issue 55: with its launcher killed, the trainer trained on unsupervised to the end.
+    Now it saves at the next step and exits for requeue (slurmstepd then ends the step), and
+    the requeued job resumes it bit for bit."""
+    info = jobs.wait(jobs.ids["orphan"])
+    log = jobs.log("orphan")
+    first = log.split("(restart 1)")[0]
+    assert "stopping: the launcher of this node's trainers (pid " in first, log
+    assert "stop signal SIGTERM (this node's launcher died; received by this process)" in first
+    assert "trainer exit statuses: 3" in first, log
+    resumed_bitwise(jobs, "orphan", info)
 
 
 def test_early_warning_signal_saves_requeues_and_resumes_bitwise(jobs):
