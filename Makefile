@@ -20,6 +20,10 @@ else
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 endif
 
+# Seconds to wait for TORCH_INDEX's answer before going on without it (pip's configured index):
+# pip itself would retry each request 5 times, for torch and each of its dependencies.
+INDEX_PROBE_S ?= 5
+
 # Hydra overrides for `make train`, e.g. make train ARGS="train.steps=50"
 ARGS ?=
 
@@ -37,10 +41,16 @@ torch:
 	@if $(DEPS_MET) "$(TORCH_SPEC)"; then \
 	    echo "== torch: $(TORCH_SPEC) already installed"; \
 	else \
+	    index="$(TORCH_INDEX)"; \
+	    if [ -n "$$index" ] && ! $(PYTHON) tools/index_reachable.py "$$index" --timeout $(INDEX_PROBE_S); then \
+	        echo "== torch: $$index cannot be reached; going on with pip's configured index" \
+	            "(on Linux, PyPI's torch is the CUDA build; TORCH_INDEX=URL to choose another)"; \
+	        index=; \
+	    fi; \
 	    echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $(TORCH_SPEC) from" \
-	        "$(or $(TORCH_INDEX),pip's configured index) (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"; \
-	    echo '$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))'; \
-	    $(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	        "$${index:-pip's configured index} (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"; \
+	    echo "$(PIP) install \"$(TORCH_SPEC)\"$${index:+ --index-url $$index}"; \
+	    $(PIP) install "$(TORCH_SPEC)" $${index:+--index-url "$$index"}; \
 	fi
 	@$(PYTHON) -W ignore -c "import torch; cuda = torch.version.cuda; \
 	    print('== torch', torch.__version__, f'(CUDA {cuda})' if cuda else '(CPU build)'); \

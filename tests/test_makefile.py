@@ -5,9 +5,14 @@ first on the path (what `pip install -e .` leaves in site-packages)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ import pytest
 from tools.deps_met import ROOT, unmet
 
 VERSION = "0.1.0"
-MAKE_OVERRIDES = ("TORCH_SPEC", "TORCH_INDEX", "FORCE_INSTALL", "HAS_GPU")
+MAKE_OVERRIDES = ("TORCH_SPEC", "TORCH_INDEX", "FORCE_INSTALL", "HAS_GPU", "INDEX_PROBE_S")
 
 
 def fake_install(where: Path, url: str, version: str = VERSION) -> Path:
@@ -83,3 +88,78 @@ def test_setup_installs_what_is_missing(tmp_path):
     log.unlink()
     r = make("setup-dev", site, log, "FORCE_INSTALL=1")
     assert log.read_text().splitlines()[-1] == "install -e .[dev]", r.stdout + r.stderr
+
+
+@contextlib.contextmanager
+def index_server(answer: bool):
+    """A local stand-in for a package index: one that answers every request (HTTP 200), or one
+    that accepts connections and never answers (a host behind a firewall that drops replies)."""
+    if answer:
+
+        class Index(http.server.BaseHTTPRequestHandler):
+            def do_HEAD(self):  # noqa: N802 (http.server's name)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Index)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+        finally:
+            server.shutdown()
+            server.server_close()
+    else:
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)  # the kernel completes connections; nothing ever reads or replies
+            yield f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu"
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/whl/cpu"  # nobody listens once closed
+
+
+@pytest.mark.parametrize("where", ["closed port", "no answer"])
+def test_an_unreachable_torch_index_is_probed_once_then_left_out(tmp_path, where):
+    """TORCH_INDEX that cannot be reached: one probe of at most INDEX_PROBE_S seconds, one line
+    saying so, then pip installs torch from its configured index (no --index-url), instead of
+    pip's five retries of every request (issue #53: 523 s and 134 warning lines)."""
+    log = tmp_path / "pip.log"
+    site = fake_install(tmp_path / "site", ROOT.as_uri())
+    with contextlib.ExitStack() as stack:
+        url = (
+            closed_port_url()
+            if where == "closed port"
+            else stack.enter_context(index_server(answer=False))
+        )
+        r = make(
+            "setup", site, log, "TORCH_SPEC=torch>=999", f"TORCH_INDEX={url}", "INDEX_PROBE_S=2"
+        )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert log.read_text() == "install torch>=999\n", r.stdout + r.stderr
+    probe = [line for line in r.stderr.splitlines() if line.startswith(url)]
+    assert len(probe) == 1, r.stderr
+    seconds = float(re.search(r"\(after ([\d.]+) s\)$", probe[0]).group(1))
+    if where == "closed port":
+        assert "ConnectionRefusedError" in probe[0] and seconds < 2, probe
+    else:
+        assert "no answer in 2 s" in probe[0] and 2 <= seconds < 4, probe
+    assert f"== torch: {url} cannot be reached; going on with pip's configured index" in r.stdout
+    assert "installing torch>=999 from pip's configured index" in r.stdout, r.stdout
+
+
+def test_a_reachable_torch_index_is_used(tmp_path):
+    log = tmp_path / "pip.log"
+    site = fake_install(tmp_path / "site", ROOT.as_uri())
+    with index_server(answer=True) as url:
+        r = make("setup", site, log, "TORCH_SPEC=torch>=999", f"TORCH_INDEX={url}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert log.read_text() == f"install torch>=999 --index-url {url}\n", r.stdout + r.stderr
+    assert "cannot be reached" not in r.stdout + r.stderr
+    assert f"installing torch>=999 from {url} " in r.stdout, r.stdout
