@@ -201,13 +201,14 @@ def cpu_note(cfg, world_size: int, threads: int, rate: float | None = None) -> s
         )
     step = format_duration(est["step_s"])
     total = format_duration(est["step_s"] * cfg.train.steps)
+    check = "" if cfg.train.dry_run else ", to check this config train.dry_run=true"
     return (
         f"note: model={cfg.model.name} on this CPU: about {step} a step of "
         f"{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens ({cfg.train.steps} steps: "
         f"about {total}) and {est['memory_gib']:.1f} GiB of memory per process{fits} (estimate "
         f"at {threads} thread{'s' if threads > 1 else ''}, {est['rate'] / 1e9:.0f} GFLOP/s "
-        "measured now); for a CPU run use model=tiny, to check "
-        "this config train.dry_run=true, to train it a GPU (docs/INSTALL.md)"
+        f"measured now); for a CPU run use model=tiny{check}, to train it a GPU "
+        "(docs/INSTALL.md)"
     )
 
 

@@ -172,10 +172,10 @@ def test_cpu_estimate_against_the_measured_runs():
     )
 
 
-def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
-    """model=llama3_1b on CPU: the estimate and the way out come first, before any check that
-    follows the config's (here the run directory's, refused) and before the model is built;
-    the dry run says it too."""
+def test_a_model_too_big_for_the_cpu_says_so_unless_refused(tmp_path):
+    """model=llama3_1b on CPU: the dry run gives the estimate and the way out first, before the
+    model is built (and does not suggest itself). A run refused by a check, here the run
+    directory's, prints its error line alone."""
     from config import compose_config
 
     memory = cpu_run_estimate(compose_config(["model=llama3_1b"]), 1, rate=1.0)["memory_gib"]
@@ -183,17 +183,29 @@ def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
         r"note: model=llama3_1b on this CPU: about \S+ a step of 16 x 256 tokens \(300 steps: "
         rf"about \S+\) and {memory:.1f} GiB of memory per process, (more|less) than this "
         r"machine's \d+ GiB \(estimate at 1 thread, \d+ GFLOP/s measured now\); for a CPU run "
-        r"use model=tiny, to check this config train.dry_run=true, to train it a GPU "
-        r"\(docs/INSTALL.md\)"
+        r"use model=tiny, to train it a GPU \(docs/INSTALL.md\)"
     )
-    (tmp_path / "file").write_text("")
-    r = launch(["model=llama3_1b", f"run.root={tmp_path}/file"], env=CPU_ENV, timeout=300)
-    out = [x for x in r.stdout.splitlines() if x.strip()]
-    assert r.returncode == 2 and len(out) == 1 and note.fullmatch(out[0]), r.stdout + r.stderr
-    assert r.stderr.strip().startswith(f"error: run.root={tmp_path}/file: cannot write to ")
     r = launch(["model=llama3_1b", "train.dry_run=true", f"run.root={tmp_path}"], env=CPU_ENV)
     out = [x for x in r.stdout.splitlines() if x.strip()]
     assert r.returncode == 0 and note.fullmatch(out[0]) and out[1].startswith("dry run: "), out
+    (tmp_path / "file").write_text("")
+    r = launch(["model=llama3_1b", f"run.root={tmp_path}/file"], env=CPU_ENV, timeout=300)
+    assert r.returncode == 2 and not r.stdout.strip(), r.stdout + r.stderr
+    assert r.stderr.strip().startswith(f"error: run.root={tmp_path}/file: cannot write to ")
+
+
+def test_a_refused_resume_of_a_model_too_big_for_the_cpu_prints_only_its_error(tmp_path):
+    """model=small on the run directory of a model=tiny run (issue #53): the resume check's
+    one line, without the CPU estimate that a run going ahead would print first."""
+    run = [f"run.root={tmp_path}", "run.name=r", "train.steps=1", "optim.warmup_steps=0"]
+    r = launch(run, env=CPU_ENV, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = launch(["model=small", *run], env=CPU_ENV, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "note: " not in r.stdout + r.stderr, r.stdout + r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and "model." in errors[0], r.stderr
+    assert [x for x in r.stdout.splitlines() if x.strip()] == [], r.stdout
 
 
 def _two_runs_in_one_process(rank, world_size, root):
