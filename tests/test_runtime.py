@@ -287,15 +287,15 @@ def test_a_stop_signal_is_said_as_it_arrives(tmp_path, capfd):
     assert committed(tmp_path / "s" / "checkpoints") == [5]
 
 
-def test_cpu_arithmetic_is_pinned_to_avx2_unless_set():
-    """runtime.pin_cpu_arithmetic in a fresh process (its variables are read once, at the first
-    CPU kernel): AVX2 arithmetic on an AVX2 or AVX-512 CPU, a value the user set is kept, GPU
-    runs are left alone. Without AVX2 the CPU keeps its own kernels."""
+def test_cpu_arithmetic_sets_mkl_strict_unless_set():
+    """runtime.pin_cpu_arithmetic in a fresh process (MKL reads its variable once, at its first
+    call): MKL_CBWR=AUTO,STRICT on a CPU run, a value the user set is kept, GPU runs are left
+    alone; ATen's kernels stay the CPU's own, as the start-up line says."""
     code = (
         "import os, sys, torch, runtime\n"
         "dev = torch.device(sys.argv[1])\n"
-        "print(runtime.pin_cpu_arithmetic(dev), os.environ.get('ATEN_CPU_CAPABILITY'),"
-        " os.environ.get('MKL_CBWR'), torch.backends.cpu.get_cpu_capability())\n"
+        "print(runtime.pin_cpu_arithmetic(dev), os.environ.get('MKL_CBWR'),"
+        " torch.backends.cpu.get_cpu_capability().lower())\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
 
@@ -311,9 +311,28 @@ def test_cpu_arithmetic_is_pinned_to_avx2_unless_set():
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
 
-    if torch.cpu._is_avx2_supported():
-        assert pinned("cpu") == "cpu=avx2 avx2 AVX2 AVX2"
-    else:
-        assert pinned("cpu") == "cpu=default None None DEFAULT"
-    assert pinned("cpu", ATEN_CPU_CAPABILITY="default").startswith("cpu=default default ")
-    assert pinned("meta").startswith("None None None ")
+    own = pinned("cpu").split()[-1]  # this CPU's capability (avx512, avx2 or default)
+    assert pinned("cpu") == f"cpu={own} AUTO,STRICT {own}"
+    assert pinned("cpu", MKL_CBWR="AVX2") == f"cpu={own} AVX2 {own}"
+    assert pinned("cpu", ATEN_CPU_CAPABILITY="default") == "cpu=default AUTO,STRICT default"
+    assert pinned("meta") == f"None None {own}"
+
+
+@pytest.mark.slow
+def test_the_default_run_does_not_depend_on_the_thread_count(tmp_path):
+    """The default run's first steps (model, data and batch of `python train.py`, every step
+    logged) with 1 and with 2 threads: the same loss and grad_norm, bit for bit (MKL's strict
+    mode, runtime.CPU_ARITHMETIC; with MKL's default they differed from step 3 on, on an Intel
+    Xeon). MKL has no strict mode without AVX2."""
+    if not torch.cpu._is_avx2_supported():
+        pytest.skip("MKL's strict mode needs AVX2 or AVX-512; this CPU has neither")
+    curves = []
+    for threads in ("1", "2"):
+        run = [f"run.root={tmp_path}", f"run.name=t{threads}", "checkpoint=none"]
+        env = {**CPU_ENV, "OMP_NUM_THREADS": threads}
+        r = launch([*run, "train.steps=6", "train.log_every=1"], env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f" threads={threads} (OMP_NUM_THREADS) " in r.stdout, r.stdout
+        rows = read_metrics(tmp_path / f"t{threads}" / "metrics.jsonl")
+        curves.append([(x["step"], x["loss"], x["grad_norm"]) for x in rows])
+    assert len(curves[0]) == 6 and curves[0] == curves[1], curves
