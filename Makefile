@@ -20,6 +20,10 @@ else
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 endif
 
+# Seconds to wait for TORCH_INDEX's answer before going on without it (pip's configured index):
+# pip itself would retry each request 5 times, for torch and each of its dependencies.
+INDEX_PROBE_S ?= 5
+
 # Hydra overrides for `make train`, e.g. make train ARGS="train.steps=50"
 ARGS ?=
 
@@ -37,10 +41,24 @@ torch:
 	@if $(DEPS_MET) "$(TORCH_SPEC)"; then \
 	    echo "== torch: $(TORCH_SPEC) already installed"; \
 	else \
-	    echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $(TORCH_SPEC) from" \
-	        "$(or $(TORCH_INDEX),pip's configured index) (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"; \
-	    echo '$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))'; \
-	    $(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	    index="$(TORCH_INDEX)"; spec="$(TORCH_SPEC)"; \
+	    if [ -n "$$index" ] && ! $(PYTHON) tools/index_reachable.py "$$index" --timeout $(INDEX_PROBE_S); then \
+	        index=; \
+	        if [ "$(HAS_GPU)" = yes ]; then \
+	            echo "== torch: $(TORCH_INDEX) cannot be reached; going on with pip's configured index"; \
+	        elif spec=$$(PIP="$(PIP)" $(PYTHON) tools/cpu_torch.py "$(TORCH_SPEC)"); then \
+	            echo "== torch: $(TORCH_INDEX) cannot be reached; its CPU build $$spec is in pip's configured sources"; \
+	        else \
+	            echo "error: TORCH_INDEX=$(TORCH_INDEX) cannot be reached and pip's configured sources" \
+	                "offer no CPU build of $(TORCH_SPEC); set TORCH_INDEX to a reachable copy of it, or" \
+	                "TORCH_INDEX= for pip's own choice (on Linux the CUDA build: GBs)" >&2; \
+	            exit 1; \
+	        fi; \
+	    fi; \
+	    echo "== torch: NVIDIA GPU: $(HAS_GPU); installing $$spec from" \
+	        "$${index:-pip's configured sources} (set HAS_GPU, TORCH_SPEC, TORCH_INDEX to change)"; \
+	    echo "$(PIP) install \"$$spec\"$${index:+ --index-url $$index}"; \
+	    $(PIP) install "$$spec" $${index:+--index-url "$$index"}; \
 	fi
 	@$(PYTHON) -W ignore -c "import torch; cuda = torch.version.cuda; \
 	    print('== torch', torch.__version__, f'(CUDA {cuda})' if cuda else '(CPU build)'); \

@@ -85,25 +85,26 @@ def cpu_threads(
     return threads, f"{cores} cores, load {load:.1f}: {int(idle + 0.5)} idle{per}"
 
 
-#: The vector width a CPU run's arithmetic is pinned to (docs/RUNS.md, CPU arithmetic). Of the
-#: operations of a training step, measured op by op with identical inputs (tiny model, forward,
-#: backward, AdamW): between AVX2 and AVX-512 only the CPU flash-attention kernels (forward and
-#: backward) differ, in the last bit; without AVX2 (the scalar kernels) silu and its gradient
-#: differ too. MKL's own matrix products follow its branch for the CPU (MKL_CBWR). AVX-512 costs
-#: nothing here: the default run's step takes the same CPU time under either.
-CPU_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+#: MKL's matrix products in a CPU run: its own code path for this CPU, in its strict
+#: reproducibility mode, whose results do not depend on the thread count (MKL documents this
+#: for ?gemm on its AVX2 and AVX-512 paths; other paths, e.g. a CPU without AVX2, compute in its
+#: ordinary mode). With MKL's default (not strict) the default run's losses on an Intel Xeon
+#: differed between 1 and 2 threads from step 3 on, in the last bits, and by step 300 in the
+#: printed digits; strict, they were the same bit for bit (docs/RUNS.md, CPU arithmetic).
+#: Measured cost of strict: about 5% on the matrix products alone, within the noise on the step.
+CPU_ARITHMETIC = {"MKL_CBWR": "AUTO,STRICT"}
 
 
 def pin_cpu_arithmetic(device: torch.device) -> str | None:
-    """On a CPU run of an x86-64 CPU with AVX-512, ATen's kernels and MKL compute as on AVX2,
-    so every AVX2 or AVX-512 machine prints the same losses (the README's figures). Effective
-    only before this process's first CPU kernel (both read their variable once); a variable
-    the user set is kept. Returns the capability for the start-up line (None on GPU)."""
+    """On a CPU run, MKL computes its matrix products in its strict mode (CPU_ARITHMETIC), so
+    the thread count the run picks from the load at its start does not change its losses; a
+    MKL_CBWR the user set is kept. Effective only before this process's first MKL call (MKL
+    reads the variable once). ATen's own kernels use the CPU's widest vector unit, which the
+    start-up line names (`cpu=avx512`). Returns that (None on GPU)."""
     if device.type != "cpu":
         return None
-    if torch.cpu._is_avx2_supported():
-        for name, value in CPU_ARITHMETIC.items():
-            os.environ.setdefault(name, value)
+    for name, value in CPU_ARITHMETIC.items():
+        os.environ.setdefault(name, value)
     return f"cpu={torch.backends.cpu.get_cpu_capability().lower()}"
 
 
@@ -201,13 +202,14 @@ def cpu_note(cfg, world_size: int, threads: int, rate: float | None = None) -> s
         )
     step = format_duration(est["step_s"])
     total = format_duration(est["step_s"] * cfg.train.steps)
+    check = "" if cfg.train.dry_run else ", to check this config train.dry_run=true"
     return (
         f"note: model={cfg.model.name} on this CPU: about {step} a step of "
         f"{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens ({cfg.train.steps} steps: "
         f"about {total}) and {est['memory_gib']:.1f} GiB of memory per process{fits} (estimate "
         f"at {threads} thread{'s' if threads > 1 else ''}, {est['rate'] / 1e9:.0f} GFLOP/s "
-        "measured now); for a CPU run use model=tiny, to check "
-        "this config train.dry_run=true, to train it a GPU (docs/INSTALL.md)"
+        f"measured now); for a CPU run use model=tiny{check}, to train it a GPU "
+        "(docs/INSTALL.md)"
     )
 
 

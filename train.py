@@ -357,6 +357,7 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
     lock_line = check_locks(cfg, run_dir) if dims_rank() == 0 else None
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     plan, step = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
+    _say_cpu_cost(cfg, dims.world_size, device, say)
     rcfg = recipe_for_step(cfg.recipe, step + 1, schedule_steps(cfg))  # recipe.switch
     dims.build_mesh(device.type)
     compat.apply_all()
@@ -425,6 +426,7 @@ def eval_only(cfg: Config, dims, grad_accum, impl, device, run_dir, tokenizer, s
             f"train.eval_only: no checkpoint in {checkpoint_root(cfg.checkpoint, run_dir)}; "
             "train this run first, or give one with checkpoint.resume=PATH"
         )
+    _say_cpu_cost(cfg, dims.world_size, device, say)
     rcfg = recipe_for_step(cfg.recipe, step + 1, schedule_steps(cfg))  # recipe.switch
     dims.build_mesh(device.type)
     compat.apply_all()
@@ -522,7 +524,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
     cfg.model, hf_weights = model_source(cfg, run_dir)
 
     # 3. Config check: one clear line for any bad input, before GPU memory or data.
-    dims, grad_accum, impl, tokenizer = _checked_config(cfg, rank, world_size, device, say)
+    dims, grad_accum, impl, tokenizer = _checked_config(cfg, world_size, device, say)
     # Dry run / evaluation only: from here on they take their own path (no run directory
     # written, no training).
     if cfg.train.dry_run or cfg.train.eval_only:
@@ -540,6 +542,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
         ckpt.close()
         say(nothing_to_do(run_dir, resume_from, cfg.train.steps), flush=True)
         return 0
+    _say_cpu_cost(cfg, world_size, device, say)
     loop = Loop(
         cfg, rank, world_size, device, dims, impl, grad_accum, run_dir, say, stop, ckpt, segment
     )
@@ -584,7 +587,15 @@ def _prepare_process(cfg: Config, world_size: int, device, say) -> str | None:
     return threads_line
 
 
-def _checked_config(cfg: Config, rank: int, world_size: int, device, say):
+def _say_cpu_cost(cfg: Config, world_size: int, device, say) -> None:
+    """A model too big for this CPU: its cost here and the way out, once the run is known to
+    go ahead (a refused run prints its error line alone) and before anything is built."""
+    if device.type == "cpu" and dims_rank() == 0:
+        if note := cpu_note(cfg, world_size, torch.get_num_threads()):
+            say(note, flush=True)
+
+
+def _checked_config(cfg: Config, world_size: int, device, say):
     """Step 3: `check_config`, the start-up warnings and notes, and the tokenizer (checked
     against the model's vocabulary). Returns (dims, grad_accum, impl, tokenizer)."""
     dims, grad_accum, impl = check_config(cfg, world_size, device)
@@ -596,10 +607,6 @@ def _checked_config(cfg: Config, rank: int, world_size: int, device, say):
             + " ".join(f"{k}={v}" for k, v in environment.items()),
             flush=True,
         )
-    # A model too big for this CPU: its cost here and the way out, before anything is built.
-    if device.type == "cpu" and rank == 0:
-        if note := cpu_note(cfg, world_size, torch.get_num_threads()):
-            say(note, flush=True)
     if device.type == "cuda":
         say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
     # data=synthetic loads no tokenizer: its random ids need only the model's vocabulary size.

@@ -22,7 +22,6 @@ proportional to the position within the epoch.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from data.sources import (
     embedded_dataset,
     eval_documents,
     hf_dataset,
+    quiet_datasets,
     synthetic_summary,
     synthetic_tokens,
     training_documents,
@@ -230,20 +230,6 @@ class StreamingLoader(_Position):
         self._it = None  # reopened lazily at the saved position
 
 
-@contextlib.contextmanager
-def _quiet_datasets():
-    """The embedded corpus is built on every run in about a second: no progress bars."""
-    import datasets
-
-    enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if enabled:
-            datasets.enable_progress_bars()
-
-
 def joined_stream(tokens: np.ndarray, tok, min_doc_len: int) -> np.ndarray:
     """data.min_doc_len: the packed corpus with consecutive files joined into documents of at
     least min_doc_len tokens (data/packing.py join_documents)."""
@@ -300,7 +286,7 @@ def _build_loader(
     )
 
     if cfg.name == "embedded":
-        with _quiet_datasets():
+        with quiet_datasets():
             ds = embedded_dataset(cfg)
             tokens = pack_dataset(training_documents(ds, cfg) if hold_out else ds, tok, "text")
         if cfg.min_doc_len:
@@ -377,7 +363,7 @@ def build_eval_batches(
     packed sample b*G + k; rank r takes rows [r*G/dp, (r+1)*G/dp) as in training. Only as
     many documents as the batches need are tokenized."""
     needed = batches * global_batch_size
-    with _quiet_datasets():
+    with quiet_datasets():
         docs = eval_documents(cfg)
         samples = stream_samples(docs, tok, cfg.text_field, cfg.seq_len + 1, cfg.min_doc_len)
         samples = list(itertools.islice(samples, needed))

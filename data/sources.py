@@ -6,6 +6,7 @@ tokenization and packing happen in data/packing.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -305,6 +306,22 @@ def check_source(cfg: DataConfig) -> None:
     )
 
 
+@contextlib.contextmanager
+def quiet_datasets():
+    """No datasets progress bars inside: for work that takes about a second (the embedded
+    corpus) or is no download (local files, which `load_dataset` would show as "Downloading
+    data", in carriage-return updates that fill a log file)."""
+    import datasets
+
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
+
+
 def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
     """`load_dataset` on local files (builder chosen by extension) or a hub dataset name.
 
@@ -326,14 +343,15 @@ def hf_dataset(cfg: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
         # One .txt file is one document (like the embedded corpus), not one line.
         extra = {"sample_by": "document"} if builders[0] == "text" else {}
         try:
-            return datasets.load_dataset(
-                builders[0],
-                data_files={cfg.split: files},
-                split=cfg.split,
-                streaming=cfg.streaming,
-                cache_dir=cfg.cache_dir,
-                **extra,
-            )
+            with quiet_datasets():
+                return datasets.load_dataset(
+                    builders[0],
+                    data_files={cfg.split: files},
+                    split=cfg.split,
+                    streaming=cfg.streaming,
+                    cache_dir=cfg.cache_dir,
+                    **extra,
+                )
         except Exception as e:
             raise ConfigError(
                 f"data.path={cfg.path!r} could not be read as {builders[0]} ({one_line(e)}); "

@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 import confhelp
 from config import Config
 from runtime import launch
@@ -274,3 +276,21 @@ def test_readme_example_outputs_are_git_ignored():
             ["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, capture_output=True
         )
         assert r.returncode == 0, f"{path} (written by a README command) is not git-ignored"
+
+
+@pytest.mark.parametrize(
+    "group, opening",
+    [
+        ("model", "`model=` picks a shape ("),
+        ("recipe", "`recipe=` the precision ("),
+        ("parallel", "`parallel=` picks the layout ("),
+    ],
+)
+def test_readme_lists_every_option_of_a_group(group, opening):
+    """The README's list of a config group's options names each file of conf/<group>/ (issue
+    #53: llama3_3b was left out), and nothing else."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert opening in text, opening
+    listed = text[text.index(opening) + len(opening) :].split(";")[0].split(")")[0]
+    names = {n for n in re.findall(r"`(\w+)`", listed)}
+    assert names == {p.stem for p in (ROOT / "conf" / group).glob("*.yaml")}, listed

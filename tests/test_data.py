@@ -249,6 +249,24 @@ def test_hf_local_files_roundtrip(tmp_path, kind):
     assert text.startswith(DOCS[0] + DOCS[1]) and "héllo wörld" in text
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_local_files_load_without_progress_bars(tmp_path, capfd, streaming):
+    """Local files are no download: datasets' "Downloading data" and "Generating train split"
+    bars (carriage-return updates that fill a log file) are not shown, and the bars are on
+    again afterwards for what does download (issue #53)."""
+    import datasets
+
+    from data.sources import hf_dataset
+
+    root = write_files(tmp_path / "txt", "txt")
+    datasets.enable_progress_bars()
+    ds = hf_dataset(hf_cfg(tmp_path, root, streaming=streaming))
+    assert sum(1 for _ in ds) == len(DOCS)  # one document per file
+    err = capfd.readouterr().err
+    assert "\r" not in err and "Downloading" not in err and "Generating" not in err, err
+    assert datasets.is_progress_bar_enabled()
+
+
 def test_hf_glob_and_single_file(tmp_path):
     root = write_files(tmp_path / "j", "jsonl")
     tok = ByteTokenizer()

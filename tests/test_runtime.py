@@ -172,10 +172,10 @@ def test_cpu_estimate_against_the_measured_runs():
     )
 
 
-def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
-    """model=llama3_1b on CPU: the estimate and the way out come first, before any check that
-    follows the config's (here the run directory's, refused) and before the model is built;
-    the dry run says it too."""
+def test_a_model_too_big_for_the_cpu_says_so_unless_refused(tmp_path):
+    """model=llama3_1b on CPU: the dry run gives the estimate and the way out first, before the
+    model is built (and does not suggest itself). A run refused by a check, here the run
+    directory's, prints its error line alone."""
     from config import compose_config
 
     memory = cpu_run_estimate(compose_config(["model=llama3_1b"]), 1, rate=1.0)["memory_gib"]
@@ -183,17 +183,29 @@ def test_a_model_too_big_for_the_cpu_says_so_before_the_build(tmp_path):
         r"note: model=llama3_1b on this CPU: about \S+ a step of 16 x 256 tokens \(300 steps: "
         rf"about \S+\) and {memory:.1f} GiB of memory per process, (more|less) than this "
         r"machine's \d+ GiB \(estimate at 1 thread, \d+ GFLOP/s measured now\); for a CPU run "
-        r"use model=tiny, to check this config train.dry_run=true, to train it a GPU "
-        r"\(docs/INSTALL.md\)"
+        r"use model=tiny, to train it a GPU \(docs/INSTALL.md\)"
     )
-    (tmp_path / "file").write_text("")
-    r = launch(["model=llama3_1b", f"run.root={tmp_path}/file"], env=CPU_ENV, timeout=300)
-    out = [x for x in r.stdout.splitlines() if x.strip()]
-    assert r.returncode == 2 and len(out) == 1 and note.fullmatch(out[0]), r.stdout + r.stderr
-    assert r.stderr.strip().startswith(f"error: run.root={tmp_path}/file: cannot write to ")
     r = launch(["model=llama3_1b", "train.dry_run=true", f"run.root={tmp_path}"], env=CPU_ENV)
     out = [x for x in r.stdout.splitlines() if x.strip()]
     assert r.returncode == 0 and note.fullmatch(out[0]) and out[1].startswith("dry run: "), out
+    (tmp_path / "file").write_text("")
+    r = launch(["model=llama3_1b", f"run.root={tmp_path}/file"], env=CPU_ENV, timeout=300)
+    assert r.returncode == 2 and not r.stdout.strip(), r.stdout + r.stderr
+    assert r.stderr.strip().startswith(f"error: run.root={tmp_path}/file: cannot write to ")
+
+
+def test_a_refused_resume_of_a_model_too_big_for_the_cpu_prints_only_its_error(tmp_path):
+    """model=small on the run directory of a model=tiny run (issue #53): the resume check's
+    one line, without the CPU estimate that a run going ahead would print first."""
+    run = [f"run.root={tmp_path}", "run.name=r", "train.steps=1", "optim.warmup_steps=0"]
+    r = launch(run, env=CPU_ENV, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = launch(["model=small", *run], env=CPU_ENV, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "note: " not in r.stdout + r.stderr, r.stdout + r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and "model." in errors[0], r.stderr
+    assert [x for x in r.stdout.splitlines() if x.strip()] == [], r.stdout
 
 
 def _two_runs_in_one_process(rank, world_size, root):
@@ -275,15 +287,15 @@ def test_a_stop_signal_is_said_as_it_arrives(tmp_path, capfd):
     assert committed(tmp_path / "s" / "checkpoints") == [5]
 
 
-def test_cpu_arithmetic_is_pinned_to_avx2_unless_set():
-    """runtime.pin_cpu_arithmetic in a fresh process (its variables are read once, at the first
-    CPU kernel): AVX2 arithmetic on an AVX2 or AVX-512 CPU, a value the user set is kept, GPU
-    runs are left alone. Without AVX2 the CPU keeps its own kernels."""
+def test_cpu_arithmetic_sets_mkl_strict_unless_set():
+    """runtime.pin_cpu_arithmetic in a fresh process (MKL reads its variable once, at its first
+    call): MKL_CBWR=AUTO,STRICT on a CPU run, a value the user set is kept, GPU runs are left
+    alone; ATen's kernels stay the CPU's own, as the start-up line says."""
     code = (
         "import os, sys, torch, runtime\n"
         "dev = torch.device(sys.argv[1])\n"
-        "print(runtime.pin_cpu_arithmetic(dev), os.environ.get('ATEN_CPU_CAPABILITY'),"
-        " os.environ.get('MKL_CBWR'), torch.backends.cpu.get_cpu_capability())\n"
+        "print(runtime.pin_cpu_arithmetic(dev), os.environ.get('MKL_CBWR'),"
+        " torch.backends.cpu.get_cpu_capability().lower())\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
 
@@ -299,9 +311,28 @@ def test_cpu_arithmetic_is_pinned_to_avx2_unless_set():
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
 
-    if torch.cpu._is_avx2_supported():
-        assert pinned("cpu") == "cpu=avx2 avx2 AVX2 AVX2"
-    else:
-        assert pinned("cpu") == "cpu=default None None DEFAULT"
-    assert pinned("cpu", ATEN_CPU_CAPABILITY="default").startswith("cpu=default default ")
-    assert pinned("meta").startswith("None None None ")
+    own = pinned("cpu").split()[-1]  # this CPU's capability (avx512, avx2 or default)
+    assert pinned("cpu") == f"cpu={own} AUTO,STRICT {own}"
+    assert pinned("cpu", MKL_CBWR="AVX2") == f"cpu={own} AVX2 {own}"
+    assert pinned("cpu", ATEN_CPU_CAPABILITY="default") == "cpu=default AUTO,STRICT default"
+    assert pinned("meta") == f"None None {own}"
+
+
+@pytest.mark.slow
+def test_the_default_run_does_not_depend_on_the_thread_count(tmp_path):
+    """The default run's first steps (model, data and batch of `python train.py`, every step
+    logged) with 1 and with 2 threads: the same loss and grad_norm, bit for bit (MKL's strict
+    mode, runtime.CPU_ARITHMETIC; with MKL's default they differed from step 3 on, on an Intel
+    Xeon). MKL has no strict mode without AVX2."""
+    if not torch.cpu._is_avx2_supported():
+        pytest.skip("MKL's strict mode needs AVX2 or AVX-512; this CPU has neither")
+    curves = []
+    for threads in ("1", "2"):
+        run = [f"run.root={tmp_path}", f"run.name=t{threads}", "checkpoint=none"]
+        env = {**CPU_ENV, "OMP_NUM_THREADS": threads}
+        r = launch([*run, "train.steps=6", "train.log_every=1"], env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f" threads={threads} (OMP_NUM_THREADS) " in r.stdout, r.stdout
+        rows = read_metrics(tmp_path / f"t{threads}" / "metrics.jsonl")
+        curves.append([(x["step"], x["loss"], x["grad_norm"]) for x in rows])
+    assert len(curves[0]) == 6 and curves[0] == curves[1], curves

@@ -77,12 +77,22 @@ def test_command_line(trained):
     run, export = trained
     args = ["--prompt", "class ", "--max-new-tokens", "30", "--temperature", "0.9"]
     cmd = [sys.executable, "tools/sample.py", str(run), *args, "--top-k", "20", "--seed", "1"]
-    a = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **CPU_ENV})
-    b = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **CPU_ENV})
+    cpu = {**os.environ, **CPU_ENV}
+    a = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=cpu)
+    b = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=cpu)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout.startswith("class ")
     assert "rope_parameters" not in a.stderr
     assert a.stderr.startswith(f"sample: checkpoint {run}/checkpoints/step_0000030, ")
+    # The defaults sample (temperature 0.8, top-k 20, seed 0): what those flags give.
+    plain = [sys.executable, "tools/sample.py", str(run), "--prompt", "class "]
+    flags = ["--max-new-tokens", "30", "--temperature", "0.8", "--top-k", "20", "--seed", "0"]
+    d = subprocess.run(
+        [*plain, "--max-new-tokens", "30"], cwd=ROOT, capture_output=True, text=True, env=cpu
+    )
+    f = subprocess.run([*plain, *flags], cwd=ROOT, capture_output=True, text=True, env=cpu)
+    assert d.returncode == 0 and d.stdout == f.stdout, d.stderr
+    assert "(temperature 0.8, top-k 20, seed 0)" in d.stderr, d.stderr
     bad = subprocess.run(
         [sys.executable, "tools/sample.py", str(run.parent / "nope")],
         cwd=ROOT,

@@ -39,6 +39,8 @@ STEPS = 40
 TRAIN = [*LAUNCHED_RUN, f"train.steps={STEPS}", "checkpoint=sync", "checkpoint.interval=10"]
 #: A paced fresh run takes STEPS * PACE_S > 80 s: longer than any wait on Slurm's clock below.
 PACE_S = "2"
+#: Steps the two-node job trains across its two nodes before its stop signal.
+TWO_NODE_STEPS = 22
 DONE = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 pytestmark = pytest.mark.slurm
 
@@ -106,6 +108,7 @@ class Jobs:
         self.conf, self.tmp, self.runs = conf, tmp, tmp / "runs"
         self.ids: dict[str, str] = {}
         self.out: dict[str, str] = {}
+        self.pids: dict[str, dict[str, set[int]]] = {}
 
     def sbatch(self, name, *options, env=None, overrides=(), pace=True, named=True) -> str:
         """Submit train.sbatch as run `name` (named=False: no run.name override, the name comes
@@ -181,6 +184,22 @@ class Jobs:
         return (self.tmp / f"slurm-{job_id}.out").read_text()
 
 
+def job_pids(jobs: Jobs, job_id: str, node: str) -> set[int]:
+    """The processes of the job on `node`, as that node's slurmd tracks them (every step)."""
+    out = jobs.scontrol("listpids", job_id, node)
+    return {int(row.split()[0]) for row in out.splitlines()[1:] if row.strip()}
+
+
+def signal_batch_script(jobs: Jobs, name: str) -> None:
+    """Slurm's early warning by hand, to the batch script only (on the job's first node),
+    after noting each node's processes (`jobs.pids[name]`: node -> pids)."""
+    job_id = jobs.ids[name]
+    jobs.pids[name] = {node: job_pids(jobs, job_id, node) for node in ("node1", "node2")}
+    subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job_id], env=job_env(jobs.conf), check=True
+    )
+
+
 def records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return read_metrics(path) if path.exists() else []
@@ -227,9 +246,11 @@ def jobs(cluster):
     # Its launcher (slurm/launch.py, torchrun's agent) killed mid-run: nothing forwards a stop
     # to its trainer; the trainer hears of it from the kernel (issue 55).
     j.sbatch("orphan", "--time=10")
-    # Two nodes, one trainer each: dp_replicate across the nodes. Stopped mid-run by the
-    # signal Slurm's warning sends (not requeued: the test resumes it on one node).
-    j.sbatch("two", "--nodes=2", "--time=10", env={"REQUEUE": "0"}, overrides=hsdp)
+    # Two nodes, one trainer each: dp_replicate across the nodes. After TWO_NODE_STEPS steps
+    # the batch script (on node1) gets the signal Slurm's warning sends; it must reach node1's
+    # trainer only, node2's stops through the stop agreement; the job requeues and resumes on
+    # both nodes.
+    j.sbatch("two", "--nodes=2", "--time=10", overrides=hsdp)
     # The run's name from RUN_NAME; a run that fails (a config error, found by every
     # trainer) is not requeued. A wrong override: refused before anything is launched.
     j.sbatch(
@@ -306,15 +327,7 @@ def jobs(cluster):
             ),
         ),
         j.when_logged("orphan", 3, lambda: kill_launcher(j.ids["orphan"])),
-        j.when_logged(
-            "two",
-            3,
-            lambda: subprocess.run(
-                ["scancel", "--signal=USR1", "--batch", j.ids["two"]],
-                env=job_env(cluster),
-                check=True,
-            ),
-        ),
+        j.when_logged("two", TWO_NODE_STEPS, lambda: signal_batch_script(j, "two")),
     ]
     j.threads[0].start()
     yield j
@@ -432,29 +445,41 @@ def test_chain_time_limit_keeps_the_checkpoint_and_the_next_job_resumes(jobs):
     assert_same_curve(jobs.runs / "ref", jobs.runs / "chain")
 
 
-def test_two_nodes_hsdp_equals_one_node_and_resumes_on_one(jobs):
-    """dp_replicate across two nodes (one torchrun agent each, c10d rendezvous): the losses of
-    one node with both trainers; saved on two nodes, resumed on one, bit for bit."""
+def test_two_nodes_stop_on_one_node_and_equal_one_node(jobs):
+    """dp_replicate across two nodes (two slurmd, one torchrun agent each, c10d rendezvous).
+    The warning reaches the batch script on node1, which signals node1's trainer only (its
+    node's processes as Slurm tracks them, not a pattern that matches node2's launcher too);
+    node2's trainer learns of it through the stop agreement, and both save the same step. The
+    job requeues on both nodes and resumes; every step's loss, grad_norm and lr equal one node
+    with both trainers, bit for bit."""
     ref = jobs.wait(jobs.ids["ref2"])
     assert ref["JobState"] == "COMPLETED", jobs.log("ref2")
     info = jobs.wait(jobs.ids["two"])
     log = jobs.log("two")
     assert info["NodeList"] == "node[1-2]" and info["NumNodes"] == "2", info
-    assert info["JobState"] == "COMPLETED", log
-    assert "(restart 0) on 2 node(s): node[1-2]" in log, log
-    stopped = stop_line(log)
-    assert "got SIGUSR1: forwarding it to the trainers" in log
-    assert (jobs.runs / "two" / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").exists()
-    # Resume on one node, both trainers there.
-    job_id = jobs.sbatch(
-        "two",
-        "--nodes=1",
-        "--time=10",
-        env={"GPUS_PER_NODE": "2"},
-        overrides=["parallel=hsdp", "parallel.dp_replicate=2"],
-    )
-    assert jobs.wait(job_id)["JobState"] == "COMPLETED", jobs.log("two", job_id)
-    assert f"resumed_from_step={stopped}" in jobs.log("two", job_id)
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, log
+    first, resumed = log.split("(restart 1)")
+    assert "(restart 0) on 2 node(s): node[1-2]" in first, log
+    stopped = stop_line(first)
+    assert stopped >= TWO_NODE_STEPS, log
+    # Signalled: node1's trainer, none of node2's processes.
+    sent = re.findall(r"sent SIGUSR1 to the trainers on (\w+): pids ([\d,]+)$", first, re.M)
+    assert len(sent) == 1 and sent[0][0] == "node1", first
+    signalled = {int(p) for p in sent[0][1].split(",")}
+    pids = jobs.pids["two"]
+    assert len(signalled) == 1 and signalled <= pids["node1"], (signalled, pids)
+    assert not signalled & pids["node2"], (signalled, pids)
+    # One rank of the two received it; every rank stopped after the same step and exited 3.
+    assert re.search(
+        rf"^stop signal SIGUSR1 \(received by rank [01] of 2\): checkpoint at step {stopped} "
+        "saved; every rank exits with status 3",
+        first,
+        re.M,
+    ), first
+    assert "trainer exit statuses: 3\n" in first, first
+    # Requeued, on both nodes again, from that checkpoint (which a later save pruned).
+    assert "(restart 1) on 2 node(s): node[1-2]" in log, log
+    assert f"resumed_from_step={stopped}" in resumed, resumed
     assert_same_curve(jobs.runs / "ref2", jobs.runs / "two")
 
 

@@ -1,7 +1,7 @@
 """Sample text from a trained model: a run's newest checkpoint or a Hugging Face export.
 
     python tools/sample.py runs/tiny-bf16-fsdp --prompt "def main("
-    python tools/sample.py runs/tiny-bf16-fsdp --prompt "import " --temperature 0.8 --top-k 20
+    python tools/sample.py runs/tiny-bf16-fsdp --prompt "import " --temperature 0  # greedy
     python tools/sample.py out/hf --prompt "class " --max-new-tokens 200     # an export folder
 
 SOURCE is a run directory (its newest committed checkpoint), a checkpoint step folder, or a
@@ -10,9 +10,10 @@ model is the plain-PyTorch reference implementation, on the CPU (or --device cud
 a checkpoint of any layout or precision recipe loads into it (quantized-weight checkpoints give
 their fp32 master weights). The prompt is encoded by the run's tokenizer (data.tokenizer) or
 the export's, after the tokenizer's BOS, as training documents start; generation stops at EOS
-or after --max-new-tokens. --temperature 0 is greedy decoding; otherwise softmax sampling at
-that temperature over the --top-k most likely tokens (0: all), from a generator seeded with
---seed, so a command gives the same text every time. Prints the prompt and its continuation.
+or after --max-new-tokens. Softmax sampling at --temperature (default 0.8) over the --top-k
+most likely tokens (default 20; 0: all), from a generator seeded with --seed, so a command
+gives the same text every time; --temperature 0 is greedy decoding (on the default run's tiny
+model, a run of spaces). Prints the prompt and its continuation.
 Exit status 2 on bad input (one line).
 """
 
@@ -143,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", help="run directory, checkpoint step folder or export folder")
     parser.add_argument("--prompt", default="", help="text to continue (default: none)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely")
+    # Sampling by default: greedy decoding of a small model (the default run's) loops on the
+    # likeliest byte (a run of spaces); 0.8 among the 20 likeliest gives text of its kind.
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0.8 (default); 0: greedy decoding"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=20, help="sample among the k most likely (default 20; 0: all)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)

@@ -64,7 +64,7 @@ def test_dry_run_eval_only_and_sample_on_gpu(tmp_path):
     def sample(device):
         cmd = [sys.executable, "tools/sample.py", str(tmp_path / "r"), "--prompt", "def "]
         out = subprocess.run(
-            [*cmd, "--max-new-tokens", "32", "--device", device],
+            [*cmd, "--max-new-tokens", "32", "--temperature", "0", "--device", device],  # greedy
             cwd=ROOT,
             capture_output=True,
             text=True,

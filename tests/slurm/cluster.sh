@@ -11,7 +11,7 @@
 # Needs root (slurmd runs jobs as their users; apt-get installs missing packages). No systemd
 # and no cgroups: process tracking by parent pid (proctrack/linuxproc), no task binding.
 #
-# The node claims 8 CPUs whatever the host has (SlurmdParameters=config_overrides) and jobs
+# Each node claims 16 CPUs whatever the host has (SlurmdParameters=config_overrides) and jobs
 # share it (OverSubscribe), so the tests' jobs run at once and their waits on the clock
 # overlap. NODES=2 starts two slurmd daemons (node1, node2) on distinct ports, for a job of
 # `sbatch -N 2` on one host: that needs a Slurm built with --enable-multiple-slurmd.
