@@ -374,7 +374,10 @@ def end_process_group(failed: bool) -> None:
     if not dist.is_initialized():
         return
     if failed and dist.get_backend() == "nccl":
-        c10d._abort_process_group()
+        try:
+            c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway: the failure's own error stands
+            pass
     else:
         dist.destroy_process_group()
 
