@@ -568,7 +568,11 @@ def test_bench_checkpoint_runs_on_cpu(tmp_path):
 
 def test_gil_probe_sees_a_thread_that_holds_the_gil():
     """The probe's wake-up delay is the GIL wait: about a switch interval while another thread
-    runs Python, next to nothing while it sleeps."""
+    runs Python, next to nothing while it sleeps. The busy side is judged on its mean, not its
+    median: on a loaded 2-core CI machine under pytest-xdist (whose worker has threads of its
+    own that may ask for the GIL too) the median wait was 1.37 ms, p90 21.6 ms, only 61
+    wake-ups in 0.5 s, a mean near 7 ms; the idle side wakes within 1 ms."""
+    import statistics
     import sys
 
     from tools import bench_checkpoint
@@ -582,13 +586,14 @@ def test_gil_probe_sees_a_thread_that_holds_the_gil():
         while time.perf_counter() < end:  # Python bytecode: holds the GIL
             pass
         busy = probe.summary()
+        busy_mean_ms = statistics.fmean(probe.late) * 1e3
         probe = bench_checkpoint.GilProbe()
         probe.start()
         time.sleep(0.5)
         idle = probe.summary()
     finally:
         sys.setswitchinterval(before)
-    assert busy["p50_ms"] >= 3.0, busy
+    assert busy_mean_ms >= 2.5, (busy_mean_ms, busy)
     assert idle["p50_ms"] < 1.0, idle
 
 

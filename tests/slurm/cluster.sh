@@ -18,7 +18,9 @@
 #
 # Timing: slurmctld checks time limits and --signal warnings every 30 s (a constant in
 # Slurm), so a job with --time=1 gets its signal 0-30 s after it is due, and after the limit
-# its processes get SIGTERM, then SIGKILL KillWait (here 20 s) later.
+# its processes get SIGTERM, then SIGKILL KillWait (here 45 s) later: time for a save on a
+# loaded machine (at 20 s, with the load at 9, a job at its limit was killed before its batch
+# script could say whether it requeues).
 set -euo pipefail
 
 usage() { echo "usage: $0 start DIR [NODES] | stop DIR | install" >&2; exit 2; }
@@ -115,7 +117,7 @@ start() {
         echo "JobRequeue=1"
         echo "MpiDefault=none"
         echo "ReturnToService=2"
-        echo "KillWait=20"
+        echo "KillWait=45"
         echo "MinJobAge=300"
         echo "SchedulerParameters=sched_interval=1"
         if [[ $nodes == 1 ]]; then
