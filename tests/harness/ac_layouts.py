@@ -89,8 +89,7 @@ def run_case(dims, recipe_name: str, qinit: bool, mode: str, every: int, cpu: bo
 
     import torch
 
-    from config import OptimConfig
-    from optim import build_optimizer
+    from optim import OptimConfig, build_optimizer
     from recipes import build_recipe
     from recipes.config import RecipeConfig
     from steps import train_step

@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 
 import compat
-from config import OptimConfig, compose_config
+from config import compose_config
 from data.documents import DocumentBoundaries
 from errors import ConfigError
 from model.config import ModelConfig
 from model.init import full_init_value
-from optim import build_optimizer
+from optim import OptimConfig, build_optimizer
 from parallel import ParallelConfig, ParallelDims
 from parallel.cp import token_align
 from parallel.dims import GRAD_REDUCE, LAYOUTS
