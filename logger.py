@@ -53,6 +53,7 @@ from pathlib import Path
 
 from errors import ConfigError, one_of, require
 from runlog import read_metrics
+from runtime import format_duration
 
 WANDB_MODES = ("disabled", "offline", "online")
 WANDB_RESUME = ("auto", "rewind", "hold")
@@ -112,18 +113,6 @@ LINE_FIELDS = [
 ]
 
 SENT_FILE = "wandb_sent.json"
-
-
-def format_duration(seconds: float) -> str:
-    """12s, 3m05s, 2h07m, 3d04h."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def format_line(record: dict, total_steps: int | None = None) -> str:

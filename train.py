@@ -60,10 +60,10 @@ from data import build_data, build_tokenizer, vocabulary_line
 from data.sources import check_source, corpus_fingerprint
 from divergence import Divergence
 from errors import ConfigError
-from logger import MetricsLogger, StepClock, check_logger_config, format_duration
+from logger import MetricsLogger, StepClock, check_logger_config
 from model import build_model, init_weights, resolve_impl, te_available
 from model.flops import peak_tflops, step_flops
-from model.memory import estimate_gpu_memory, parameter_storage
+from model.memory import cpu_note, estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
 from overrides import check_flags, check_overrides
 from parallel import ParallelDims, parallelize
@@ -94,10 +94,10 @@ from runtime import (
     apply_nccl_priority,
     check_determinism,
     collective_timeout,
-    cpu_note,
     deterministic_env,
     end_process_group,
     exit_status,
+    format_duration,
     launcher_pid,
     lost_peer_line,
     out_of_memory_line,
@@ -591,7 +591,18 @@ def _say_cpu_cost(cfg: Config, world_size: int, device, say) -> None:
     """A model too big for this CPU: its cost here and the way out, once the run is known to
     go ahead (a refused run prints its error line alone) and before anything is built."""
     if device.type == "cpu" and dims_rank() == 0:
-        if note := cpu_note(cfg, world_size, torch.get_num_threads()):
+        t, threads = cfg.train, torch.get_num_threads()
+        note = cpu_note(
+            cfg.model,
+            cfg.data.seq_len,
+            t.global_batch_size,
+            t.micro_batch_size,
+            steps=t.steps,
+            dry_run=t.dry_run,
+            world_size=world_size,
+            threads=threads,
+        )
+        if note:
             say(note, flush=True)
 
 
