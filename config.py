@@ -318,6 +318,30 @@ def validate_batch(cfg: Config, dp_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+def validate_tp_split(mcfg: ModelConfig, tp: int) -> None:
+    """Tensor parallelism (`tp`: parallel.tp as ParallelDims resolved it) splits heads, KV
+    heads, FFN columns and the (padded) vocabulary."""
+    if tp == 1:
+        return
+    for name, value in (
+        ("n_heads", mcfg.n_heads),
+        ("n_kv_heads", mcfg.n_kv_heads),
+        ("ffn_dim", mcfg.ffn_dim),
+    ):
+        if value % tp:
+            raise ConfigError(
+                f"model.{name}={value} is not divisible by parallel.tp={tp}; "
+                f"pick a tp that divides it"
+            )
+    if mcfg.padded_vocab_size % tp:
+        raise ConfigError(
+            f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
+            f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
+            f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
+            f"of {tp}"
+        )
+
+
 # --------------------------------------------------------------------------------------
 # Presets: `experiment=<name>` must name a file of conf/experiment/
 

@@ -55,6 +55,7 @@ from config import (
     register_configs,
     validate,
     validate_batch,
+    validate_tp_split,
 )
 from data import build_data, build_tokenizer, vocabulary_line
 from data.sources import check_source, corpus_fingerprint
@@ -62,6 +63,7 @@ from divergence import Divergence
 from errors import ConfigError
 from logger import MetricsLogger, StepClock, check_logger_config
 from model import build_model, init_weights, resolve_impl, te_available
+from model.config import block_weight_shapes
 from model.flops import peak_tflops, step_flops
 from model.memory import cpu_note, estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
@@ -123,7 +125,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
     apply_attention_environment(recipes_of_run)
     check_source(cfg.data)  # data=hf: the local path exists (the tokenizer comes next)
     dims = ParallelDims(cfg.parallel, world_size)
-    dims.validate_model(cfg.model)
+    validate_tp_split(cfg.model, dims.tp)
     dims.validate_seq_len(cfg.data.seq_len)
     grad_accum = validate_batch(cfg, dims.dp_size)
     impl = resolve_impl(cfg.model.impl)
@@ -146,7 +148,8 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             check_recipe(rcfg, impl, device)
             check_fp8_attention(rcfg, cfg.model, cfg.data, cfg.train.deterministic, device)
             # FSDP shards each weight over dp_shard x cp.
-            check_recipe_layout(rcfg, cfg.model, world_size, dims.dp_shard * dims.cp, dims.tp)
+            shapes = block_weight_shapes(cfg.model)
+            check_recipe_layout(rcfg, shapes, world_size, dims.dp_shard * dims.cp, dims.tp)
             check_bf16_layers(rcfg, cfg.model.n_layers)
         except ConfigError as e:
             if i == 0:

@@ -275,6 +275,7 @@ def test_presets_budget_and_groups(preset, model, seq_len):
 def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nodes):
     """The long-context presets compose, pass the config and mesh checks on 1-4 nodes of 8
     GPUs, and spend their token budget."""
+    from config import validate_tp_split
     from parallel import ParallelDims
 
     cfg, validate_batch = compose([f"experiment={preset}"])
@@ -283,7 +284,7 @@ def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nod
     assert cfg.train.steps * cfg.train.global_batch_size * seq_len == cfg.experiment["token_budget"]
     for n in nodes:
         dims = ParallelDims(cfg.parallel, 8 * n)
-        dims.validate_model(cfg.model)
+        validate_tp_split(cfg.model, dims.tp)
         dims.validate_seq_len(seq_len)
         validate_batch(cfg, dims.dp_size)
 
