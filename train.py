@@ -334,6 +334,12 @@ def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, w
     return line, step
 
 
+def run_dir_args(cfg: Config) -> tuple:
+    """What checkpoint/preflight.py checks the run directory with: run.root, run.name, the
+    checkpoint and model sections, recipe.quantized_init (the checkpoints' size)."""
+    return cfg.run.root, cfg.run.name, cfg.checkpoint, cfg.model, cfg.recipe.quantized_init
+
+
 def nothing_to_do(run_dir: Path, step: int, steps: int) -> str:
     return (
         f"nothing to do: {run_dir} is at step {step} and train.steps={steps}; to train "
@@ -356,8 +362,8 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
     permissions and free space, the run lock, the resume decision: the same refusals), then a
     summary and what was not checked; returns the exit status (0). Nothing is written and no
     data is read."""
-    run_dir, run_dir_line = check_run_dir(cfg, dims.world_size)
-    lock_line = check_locks(cfg, run_dir) if dims_rank() == 0 else None
+    run_dir, run_dir_line = check_run_dir(*run_dir_args(cfg), dims.world_size)
+    lock_line = check_locks(cfg.checkpoint, run_dir) if dims_rank() == 0 else None
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     plan, step = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
     _say_cpu_cost(cfg, dims.world_size, device, say)
@@ -524,7 +530,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
     # 2. Model source: Hugging Face weights (model.init_from) unless the run resumes from a
     #    checkpoint; their config.json fills (model=hf) or checks the model config.
     run_dir = Path(cfg.run.root) / cfg.run.name
-    cfg.model, hf_weights = model_source(cfg, run_dir)
+    cfg.model, hf_weights = model_source(cfg.model, cfg.checkpoint, run_dir)
 
     # 3. Config check: one clear line for any bad input, before GPU memory or data.
     dims, grad_accum, impl, tokenizer = _checked_config(cfg, world_size, device, say)
@@ -535,7 +541,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
         return path(cfg, dims, grad_accum, impl, device, run_dir, tokenizer, say)
     # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
     # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
-    run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
+    run_dir, run_lock = prepare_run_dir(*run_dir_args(cfg), rank, world_size)
     if run_lock is not None:
         stop.release = run_lock.release  # a second Ctrl-C frees the run directory
     segment, ckpt, resume_from = _plan_resume(cfg, run_dir, run_lock, rank, world_size, stop)

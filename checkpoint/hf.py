@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from checkpoint import store
+from checkpoint.config import CheckpointConfig
 from checkpoint.resume import resumes
 from errors import ConfigError
 from model.config import ModelConfig
@@ -463,7 +464,9 @@ def _open_checkpoint(checkpoint: str | Path, earlier: str):
     return path, saved, cfg, md, entries
 
 
-def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
+def model_source(
+    m: ModelConfig, ck: CheckpointConfig, run_dir: Path
+) -> tuple[ModelConfig, Path | None]:
     """Step 2 of train.run: the model config to build, and the Hugging Face folder to load its
     weights from (None: the seeded init).
 
@@ -473,7 +476,6 @@ def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
     run's checkpoint directory holds a complete one) the HF weights are neither fetched nor
     loaded, only config.json is read; init_from is used when the run starts at step 0. Rank 0
     decides and fetches first; the others wait for it (`from_rank0`)."""
-    m = cfg.model
     if not m.init_from:
         if m.shape_from_hf:
             raise ConfigError(
@@ -481,7 +483,7 @@ def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
                 "model.init_from=<Hugging Face folder or hub name>"
             )
         return m, None
-    resuming = from_rank0(lambda: resumes(cfg.checkpoint, run_dir))
+    resuming = from_rank0(lambda: resumes(ck, run_dir))
     folder = resolve_init_from(m.init_from, weights=not resuming)
     mcfg = model_config_for_hf(m, read_hf_config(folder))
     if resuming:

@@ -424,7 +424,7 @@ def test_shared_checkpoint_dir_is_locked_and_not_resumed_by_another_run(tmp_path
             json.dumps({"host": host_id(), "pid": alive.pid, "started": time.time(), "token": "t"})
         )
         with pytest.raises(ConfigError) as e:
-            preflight.prepare_run_dir(_compose(tmp_path, "b", *ck), 0, 1)
+            preflight.prepare_run_dir(*train.run_dir_args(_compose(tmp_path, "b", *ck)), 0, 1)
         assert str(e.value).startswith(
             f"checkpoint.dir={shared} ({shared}, outside the run directory) is in use by another "
             f"run (host "
