@@ -17,7 +17,7 @@ instead of a GPU call later (issue #46: kill_save.py patched a method that had m
 Elsewhere: matrix.py, resume.py (test_harness.py), multitier.py (test_multitier.py),
 slow_commit.py (test_ctrl_c.py), bench_checkpoint.py (test_checkpoint_async.py), benchlib.py,
 compare_runs.py, convert_hf.py (test_hf_io.py), deps_met.py, index_reachable.py, cpu_torch.py
-(test_makefile.py),
+(test_makefile.py), lint_imports.py (test_import_layers.py),
 prepare_data.py (test_data_cache.py), two_node.py (test_slurm.py), paced.py
 (test_slurm_real.py), sample.py, trace_summary.py, resume_guard_study.py (their test files).
 """
