@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -701,6 +701,15 @@ def set_train_launcher(launcher: Callable[..., subprocess.CompletedProcess | Non
     _train_launcher = launcher
 
 
+def command(args: Sequence[str], nproc: int = 1, program: Sequence[str] = ("train.py",)) -> list:
+    """`python train.py ARGS` (or another `program`), under `torchrun --standalone` when
+    nproc > 1."""
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*cmd, *program, *args]
+
+
 def launch(
     args: list[str],
     *,
@@ -717,11 +726,8 @@ def launch(
         done = _train_launcher(args, nproc=nproc, env=env, timeout=timeout, program=program)
         if done is not None:
             return done
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(
-        [*cmd, *program, *args],
+        command(args, nproc, program),
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True,
@@ -731,6 +737,15 @@ def launch(
 
 
 # -- process identity: lock files name their holder ------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    """The directory's entries on disk (after files in it were created, renamed or removed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def host_id() -> str:
@@ -747,7 +762,7 @@ def host_name(host: str) -> str:
     return str(host).split("/")[0]
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (Linux), else None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -759,7 +774,7 @@ def _stat_fields(pid: int) -> list[str] | None:
 def process_start(pid: int) -> str | None:
     """The start time of process `pid` in clock ticks since boot (Linux), else None: with the
     pid it names one process, whose pid the system may later give to another."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields[19] if fields and len(fields) > 19 else None
 
 
@@ -772,5 +787,5 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return not fields or fields[0] != "Z"

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from runtime import STACK_SIGNAL, failure_line  # noqa: E402
+from runtime import STACK_SIGNAL, command, failure_line, stat_fields  # noqa: E402
 
 
 @dataclass
@@ -71,14 +71,6 @@ class Case:
         """The last `n` non-empty lines of stderr then stdout."""
         lines = [line for line in (self.stderr + self.stdout).splitlines() if line.strip()]
         return "\n".join(lines[-n:])
-
-
-def command(args: Sequence[str], nproc: int = 1, program: str = "train.py") -> list[str]:
-    """`python train.py ARGS`, under `torchrun --standalone` when nproc > 1."""
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*cmd, program, *args]
 
 
 def run_case(
@@ -128,15 +120,8 @@ def run_case(
 
 def _children(pid: int) -> list[int]:
     """The live processes whose parent is `pid` (Linux /proc)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    pids = (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    return [kid for kid in pids if (stat_fields(kid) or [None, None])[1] == str(pid)]
 
 
 def stop_with_stacks(proc: subprocess.Popen, grace: float = 3.0) -> int:
