@@ -600,18 +600,8 @@ def _say_cpu_cost(cfg: Config, world_size: int, device, say) -> None:
     """A model too big for this CPU: its cost here and the way out, once the run is known to
     go ahead (a refused run prints its error line alone) and before anything is built."""
     if device.type == "cpu" and dims_rank() == 0:
-        t, threads = cfg.train, torch.get_num_threads()
-        note = cpu_note(
-            cfg.model,
-            cfg.data.seq_len,
-            t.global_batch_size,
-            t.micro_batch_size,
-            steps=t.steps,
-            dry_run=t.dry_run,
-            world_size=world_size,
-            threads=threads,
-        )
-        if note:
+        threads = torch.get_num_threads()
+        if note := cpu_note(cfg.model, cfg.train, cfg.data.seq_len, world_size, threads):
             say(note, flush=True)
 
 

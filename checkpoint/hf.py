@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint import store
 from checkpoint.config import CheckpointConfig
 from checkpoint.resume import resumes
-from errors import ConfigError
+from errors import ConfigError, one_line
 from model.config import ModelConfig
 from model.hf import (
     check_hf_names,
@@ -75,12 +75,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # DCP warns that no process group is used; the export reads in one process on purpose.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +103,7 @@ def resolve_hf_folder(spec: str, *, weights: bool, local_files_only: bool = Fals
     except Exception as e:  # no network, unknown or gated repo, ...: all mean "unusable"
         raise ConfigError(
             f"model.init_from={spec} is not a local folder and could not be fetched from the "
-            f"Hugging Face hub ({_one_line(e)}); pass a local folder, or a hub name (set "
+            f"Hugging Face hub ({one_line(e)}); pass a local folder, or a hub name (set "
             "HF_TOKEN for gated models)"
         ) from None
     return Path(got)
@@ -308,7 +302,7 @@ def export_tokenizer(spec: str, model_max_length: int):
             tok = AutoTokenizer.from_pretrained(spec)
         except Exception as e:
             raise ConfigError(
-                f"the run's tokenizer {spec!r} cannot be loaded ({_one_line(e)}); pass "
+                f"the run's tokenizer {spec!r} cannot be loaded ({one_line(e)}); pass "
                 "--tokenizer <name or folder>"
             ) from None
     return tok, tok.bos_token_id, tok.eos_token_id
@@ -322,7 +316,7 @@ def _model_config(saved: dict, path: Path) -> ModelConfig:
         return OmegaConf.to_object(merged)
     except Exception as e:
         raise ConfigError(
-            f"checkpoint {path}: its config.yaml has no usable model section ({_one_line(e)})"
+            f"checkpoint {path}: its config.yaml has no usable model section ({one_line(e)})"
         ) from None
 
 

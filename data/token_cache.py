@@ -49,8 +49,8 @@ import numpy as np
 
 from data.config import DataConfig
 from data.packing import PACKING_VERSION, stream_key, token_chunks, tokenize_dataset
-from data.tokenizer import one_line, token_dtype
-from errors import ConfigError
+from data.tokenizer import token_dtype
+from errors import ConfigError, one_line
 from runtime import fsync_dir, host_id, host_name, pid_alive
 
 if TYPE_CHECKING:  # imported where used: `datasets` (with pandas, pyarrow) costs ~1 s to import

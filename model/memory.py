@@ -133,22 +133,17 @@ SLOW_CPU_STEP_S = 5.0
 
 
 def cpu_run_estimate(
-    m: ModelConfig,
-    seq: int,
-    global_batch: int,
-    micro_batch: int | None,
-    world_size: int,
-    rate: float | None = None,
+    m: ModelConfig, train, seq: int, world_size: int, rate: float | None = None
 ) -> dict[str, float]:
-    """Time per step and memory of a CPU run of model `m` on `world_size` processes, each step
-    `global_batch` rows of `seq` tokens (`micro_batch` rows at a time per process; None: its
-    whole share), before anything is built: `step_s` = the step's training FLOPs
-    (model/flops.py) per process at this CPU's measured matmul rate x CPU_STEP_OVERHEAD;
-    `memory_gib` per process = fp32 weights, gradients and Adam's two moments (16 bytes a
-    parameter, divided among FSDP's shards) plus the micro batch's fp32 activations (the
-    block's saved tensors, and the logits with their gradient) and torch's own ~0.5 GiB."""
-    tokens = global_batch * seq / world_size
-    micro = (micro_batch or global_batch // world_size) * seq
+    """Time per step and memory of a CPU run of model `m` on `world_size` processes (`train`:
+    the train section, config.TrainConfig, for its batch; `seq`: data.seq_len), before anything
+    is built: `step_s` = the step's training FLOPs (model/flops.py) per process at this CPU's
+    measured matmul rate x CPU_STEP_OVERHEAD; `memory_gib` per process = fp32 weights,
+    gradients and Adam's two moments (16 bytes a parameter, divided among FSDP's shards) plus
+    the micro batch's fp32 activations (the block's saved tensors, and the logits with their
+    gradient) and torch's own ~0.5 GiB."""
+    tokens = train.global_batch_size * seq / world_size
+    micro = (train.micro_batch_size or train.global_batch_size // world_size) * seq
     rate = rate or matmul_rate()
     step_s = causal_row_flops_per_token(m, seq) * tokens / rate * CPU_STEP_OVERHEAD
     kv = m.n_kv_heads * m.head_dim
@@ -160,26 +155,16 @@ def cpu_run_estimate(
 
 
 def cpu_note(
-    m: ModelConfig,
-    seq: int,
-    global_batch: int,
-    micro_batch: int | None,
-    *,
-    steps: int,
-    dry_run: bool,
-    world_size: int,
-    threads: int,
-    rate: float | None = None,
+    m: ModelConfig, train, seq: int, world_size: int, threads: int, rate: float | None = None
 ) -> str | None:
-    """The start-up line of a CPU run (`cpu_run_estimate`'s arguments; train.steps,
-    train.dry_run) whose steps `cpu_run_estimate` puts above SLOW_CPU_STEP_S: what a step and
-    the whole run will cost here, and the way out. None for a run that is quick enough
-    (model=tiny)."""
-    tokens = global_batch * seq / world_size
+    """The start-up line of a CPU run (`cpu_run_estimate`'s arguments) whose steps
+    `cpu_run_estimate` puts above SLOW_CPU_STEP_S: what a step and the whole run (train.steps)
+    will cost here, and the way out. None for a run that is quick enough (model=tiny)."""
+    tokens = train.global_batch_size * seq / world_size
     fastest = CPU_CORE_FLOPS_MAX * threads / CPU_STEP_OVERHEAD  # no need to measure below it
     if causal_row_flops_per_token(m, seq) * tokens / fastest < SLOW_CPU_STEP_S:
         return None
-    est = cpu_run_estimate(m, seq, global_batch, micro_batch, world_size, rate)
+    est = cpu_run_estimate(m, train, seq, world_size, rate)
     if est["step_s"] < SLOW_CPU_STEP_S:
         return None
     have = host_memory_gib()
@@ -189,11 +174,11 @@ def cpu_note(
             f", {'more' if est['memory_gib'] > have else 'less'} than this machine's {have:.0f} GiB"
         )
     step = format_duration(est["step_s"])
-    total = format_duration(est["step_s"] * steps)
-    check = "" if dry_run else ", to check this config train.dry_run=true"
+    total = format_duration(est["step_s"] * train.steps)
+    check = "" if train.dry_run else ", to check this config train.dry_run=true"
     return (
         f"note: model={m.name} on this CPU: about {step} a step of "
-        f"{global_batch} x {seq} tokens ({steps} steps: "
+        f"{train.global_batch_size} x {seq} tokens ({train.steps} steps: "
         f"about {total}) and {est['memory_gib']:.1f} GiB of memory per process{fits} (estimate "
         f"at {threads} thread{'s' if threads > 1 else ''}, {est['rate'] / 1e9:.0f} GFLOP/s "
         f"measured now); for a CPU run use model=tiny{check}, to train it a GPU "

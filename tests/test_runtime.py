@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from config import TrainConfig
 from errors import ConfigError
 from model.memory import cpu_note, cpu_run_estimate
 from runlog import read_metrics
@@ -155,12 +156,9 @@ def test_cpu_threads_from_the_idle_cores():
     assert cpu_threads({"OMP_NUM_THREADS": "0"}, cores=2, load=0)[0] == 2
 
 
-#: The default run's (data.seq_len, train.global_batch_size, train.micro_batch_size).
-DEFAULT_BATCH = (256, 16, None)
-
-
 def model_section(name: str):
-    """conf/model/<name>.yaml's ModelConfig."""
+    """conf/model/<name>.yaml's ModelConfig (the default run's train section: TrainConfig(),
+    its data.seq_len: 256)."""
     from config import compose_config
 
     return compose_config([f"model={name}"]).model
@@ -170,13 +168,12 @@ def test_cpu_estimate_against_the_measured_runs():
     """The estimate against what was measured on 2 cores: model=tiny 0.67 s a step at a
     52 GFLOP/s probe (0.82 GiB peak RSS), model=small about a minute a step (5 GB); only models
     above SLOW_CPU_STEP_S get the start-up note."""
-    tiny = cpu_run_estimate(model_section("tiny"), *DEFAULT_BATCH, 1, rate=52e9)
+    tiny = cpu_run_estimate(model_section("tiny"), TrainConfig(), 256, 1, rate=52e9)
     assert 0.67 / 2 < tiny["step_s"] < 0.67 * 2 and 0.82 / 2 < tiny["memory_gib"] < 0.82 * 2
-    small = cpu_run_estimate(model_section("small"), *DEFAULT_BATCH, 1, rate=52e9)
+    small = cpu_run_estimate(model_section("small"), TrainConfig(), 256, 1, rate=52e9)
     assert 30 < small["step_s"] < 180 and 2.5 < small["memory_gib"] < 10
-    run = dict(steps=300, dry_run=False, world_size=1, threads=1, rate=52e9)
-    assert cpu_note(model_section("tiny"), *DEFAULT_BATCH, **run) is None
-    assert cpu_note(model_section("small"), *DEFAULT_BATCH, **run).startswith(
+    assert cpu_note(model_section("tiny"), TrainConfig(), 256, 1, 1, rate=52e9) is None
+    assert cpu_note(model_section("small"), TrainConfig(), 256, 1, 1, rate=52e9).startswith(
         "note: model=small on this CPU: about 1m"
     )
 
@@ -185,7 +182,8 @@ def test_a_model_too_big_for_the_cpu_says_so_unless_refused(tmp_path):
     """model=llama3_1b on CPU: the dry run gives the estimate and the way out first, before the
     model is built (and does not suggest itself). A run refused by a check, here the run
     directory's, prints its error line alone."""
-    memory = cpu_run_estimate(model_section("llama3_1b"), *DEFAULT_BATCH, 1, rate=1.0)["memory_gib"]
+    memory = cpu_run_estimate(model_section("llama3_1b"), TrainConfig(), 256, 1, rate=1.0)
+    memory = memory["memory_gib"]
     note = re.compile(
         r"note: model=llama3_1b on this CPU: about \S+ a step of 16 x 256 tokens \(300 steps: "
         rf"about \S+\) and {memory:.1f} GiB of memory per process, (more|less) than this "
