@@ -136,16 +136,11 @@ def remove_created(created: list[Path] | None = None) -> None:
 
 
 def check_run_dir(
-    run_root: str,
-    run_name: str,
-    ck: CheckpointConfig,
-    model: ModelConfig,
-    quantized: bool,
-    world_size: int,
+    run_root: str, run_name: str, ck: CheckpointConfig, m: ModelConfig, quantized: bool, world: int
 ) -> tuple[Path, str]:
     """Every check of `prepare_run_dir` that needs no lasting write: the checkpoint fields,
     that the run directory (run.root / run.name) and the checkpoint directory can be created
-    and written, the room for the checkpoints of `model` (`quantized`: recipe.quantized_init)
+    and written, the room for the checkpoints of model `m` (`quantized`: recipe.quantized_init)
     and, for async modes, for one staging copy. Leaves nothing behind (its probes are removed
     again; the dry run calls it too). Returns the run directory and a line saying what was
     found."""
@@ -158,7 +153,7 @@ def check_run_dir(
         return run_dir, line
     root = checkpoint_root(ck, run_dir)
     _check_writable(root, f"checkpoint.dir={ck.dir}")
-    need = estimate_checkpoint_bytes(model, quantized)
+    need = estimate_checkpoint_bytes(m, quantized)
     # At the steady state keep_last checkpoints exist while the next one is written (the
     # oldest is pruned after the commit); those already here take no more room (unless
     # resume=none moves them aside: kept, never pruned).
@@ -169,17 +164,17 @@ def check_run_dir(
         held = f"; {have} of them are here already" if have else ""
         raise ConfigError(
             f"checkpoint.dir={ck.dir}: {root} has {format_bytes(free)} free, {count} more "
-            f"checkpoint{'s' if count > 1 else ''} of model {model.name} "
+            f"checkpoint{'s' if count > 1 else ''} of model {m.name} "
             f"need{'' if count > 1 else 's'} about "
             f"{format_bytes(count * need)} ({format_bytes(need)} each: "
-            f"{parameter_count(model) / 1e6:.1f}M parameters x "
+            f"{parameter_count(m) / 1e6:.1f}M parameters x "
             f"{13 if quantized else 12} bytes; checkpoint.keep_last={ck.keep_last} kept "
             f"plus the one being written{held}); free space, lower checkpoint.keep_last or "
             "point checkpoint.dir to a larger filesystem"
         )
     if ck.mode in ("async", "async_process"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        per_node = need // max(world_size, 1) * min(local, world_size)
+        per_node = need // max(world, 1) * min(local, world)
         available = staging.host_memory_available()
         if available is not None and per_node > available:
             raise ConfigError(
@@ -224,22 +219,14 @@ def check_locks(ck: CheckpointConfig, run_dir: Path) -> str:
 
 
 def prepare_run_dir(
-    run_root: str,
-    run_name: str,
-    ck: CheckpointConfig,
-    model: ModelConfig,
-    quantized: bool,
-    rank: int,
-    world_size: int,
-    *,
-    log=print,
+    run_root: str, run_name: str, ck, m, quantized: bool, rank: int, world: int, *, log=print
 ) -> tuple[Path, RunLock | None]:
     """Check (`check_run_dir`, the same arguments), then create the run directory; rank 0
     locks it. Returns (run_dir, lock or None). Nothing is created before every check passed; a
     refusal after that (a probe write, the lock) removes the directories made here, and so does
     `remove_created()` for a run refused later (train.main, on a ConfigError)."""
     _CREATED.clear()
-    run_dir, _ = check_run_dir(run_root, run_name, ck, model, quantized, world_size)
+    run_dir, _ = check_run_dir(run_root, run_name, ck, m, quantized, world)
     made = _CREATED
     try:
         _create(run_dir, f"run.root={run_root}", made)

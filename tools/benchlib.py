@@ -5,8 +5,8 @@ and, when it failed, the one line that says why) and one markdown-table writer.
     case = run_case(["model=tiny", "train.steps=4"], run_dir=root / "a")
     print(table(["run", "loss"], [["a", f"{case.records[-1]['loss']:.4f}"]]))
 
-tools/bench_step.py, bench_recipes.py and bench_determinism.py run their cases with
-`run_case`; bench_checkpoint.py runs train.run() in its own process (its disk and host-copy
+tools/bench_step.py, bench_recipes.py, bench_determinism.py, bench_threads.py and
+recipe_switch_demo.py run their train.py cases with `run_case`; bench_checkpoint.py runs train.run() in its own process (its disk and host-copy
 ceilings are measured around it, under one torchrun) and shares the table writer and the
 small helpers. bench_loss.py times the loss functions in-process: it runs no train.py case.
 """
