@@ -18,21 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import hashing, store
 from checkpoint.manager import close_open
 from errors import ConfigError
 from tests.ckpt_harness import SMALL, Run, committed, previous_hint, refused, two_checkpoints
+from tests.helpers import tensor_record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def _item(ckpt: Path, fqn: str):
-    """(file, offset, length) of a tensor's record in a checkpoint."""
-    md = FileSystemReader(str(ckpt)).read_metadata()
-    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
-    return ckpt / info.relative_path, info.offset, info.length
 
 
 def _rewrite_hash(ckpt: Path, name: str) -> None:
@@ -103,7 +96,7 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
 def test_nan_adam_moment_with_rewritten_hash_is_refused_with_the_way_out(tmp_path):
     root = two_checkpoints(tmp_path)
     fqn = "optimizer.state.lm_head.weight.exp_avg"
-    path, offset, length = _item(root / "step_0000004", fqn)
+    path, offset, length = tensor_record(root / "step_0000004", fqn)
     with path.open("r+b") as f:
         f.seek(offset + length // 2)
         f.write(b"\xff" * 64)  # fp32 NaNs
@@ -197,7 +190,7 @@ def trained(tmp_path_factory):
 
 def _set_element(ckpt: Path, fqn: str, value: float, rewrite_hash: bool) -> None:
     """Issue 46's damage: one element of a saved weight set to `value` in place (finite)."""
-    path, offset, length = _item(ckpt, fqn)
+    path, offset, length = tensor_record(ckpt, fqn)
     data = bytearray(path.read_bytes())
     record = bytes(data[offset : offset + length])  # torch.save's (uncompressed) zip
     tensor = torch.load(io.BytesIO(record), weights_only=True)

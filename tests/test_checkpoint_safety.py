@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import hashing, preflight, runlock, store
 from checkpoint.config import CheckpointConfig
@@ -30,7 +29,7 @@ from model.flops import parameter_count
 from runtime import host_id, launch
 from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
 from tests.distributed import run_distributed
-from tests.helpers import CPU_ENV, FakeLoader
+from tests.helpers import CPU_ENV, FakeLoader, tensor_record
 
 #: model=tiny: conf/model/tiny.yaml holds the schema's defaults.
 TINY = ModelConfig()
@@ -38,13 +37,6 @@ TINY = ModelConfig()
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _item(ckpt: Path, fqn: str):
-    """(file, offset, length) of a tensor's record in a checkpoint."""
-    md = FileSystemReader(str(ckpt)).read_metadata()
-    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
-    return ckpt / info.relative_path, info.offset, info.length
 
 
 def _patch(path: Path, offset: int, new: bytes) -> None:
@@ -73,7 +65,7 @@ def _refused(run_dir: Path, **kw) -> str:
 
 def test_flipped_bytes_are_refused_and_nothing_is_removed(tmp_path):
     root = two_checkpoints(tmp_path)
-    path, offset, length = _item(root / "step_0000004", "model.lm_head.weight")
+    path, offset, length = tensor_record(root / "step_0000004", "model.lm_head.weight")
     before = path.read_bytes()
     _flip(path, offset + length // 2)
     msg = _refused(tmp_path)
@@ -89,7 +81,7 @@ def test_nan_weights_loaded_without_checksums_never_commit_or_prune(tmp_path):
     are found right after the load (issue 28: named there, not as "lower optim.lr" at the
     first step); nothing is committed or pruned."""
     root = two_checkpoints(tmp_path, keep_last=2)
-    path, offset, length = _item(root / "step_0000004", "model.lm_head.weight")
+    path, offset, length = tensor_record(root / "step_0000004", "model.lm_head.weight")
     _patch(path, offset + length // 2, b"\xff" * 64)  # fp32 NaNs
     msg = _refused(tmp_path, keep_last=2, checksum=False)
     assert msg == (
