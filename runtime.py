@@ -314,7 +314,10 @@ def end_process_group(failed: bool) -> None:
     if not dist.is_initialized():
         return
     if failed and dist.get_backend() == "nccl":
-        c10d._abort_process_group()
+        try:
+            c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway: the failure's own error stands
+            pass
     else:
         dist.destroy_process_group()
 
@@ -406,10 +409,18 @@ STACK_SIGNAL = signal.SIGUSR2
 
 
 def register_stack_dump() -> None:
-    """STACK_SIGNAL prints this process's stacks (faulthandler, safe inside any wait)."""
+    """STACK_SIGNAL prints this process's stacks (faulthandler, safe inside any wait) to
+    stderr, or to the process's own stderr where sys.stderr has no file descriptor (a run
+    inside a program that captures its output, such as pytest)."""
     import faulthandler
 
-    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    for out in (sys.stderr, sys.__stderr__):
+        try:
+            out.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+            continue
+        faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
+        return
 
 
 #: A second stop signal after a Ctrl-C counts as the second press ("stop now") only when it

@@ -341,3 +341,21 @@ def test_the_default_run_does_not_depend_on_the_thread_count(tmp_path):
         rows = read_metrics(tmp_path / f"t{threads}" / "metrics.jsonl")
         curves.append([(x["step"], x["loss"], x["grad_norm"]) for x in rows])
     assert len(curves[0]) == 6 and curves[0] == curves[1], curves
+
+
+def test_the_stack_dump_registers_where_stderr_has_no_descriptor(monkeypatch, capfd):
+    """An in-process run under a program that captures sys.stderr (pytest, a notebook) still
+    registers kill -USR2's stack dump, on the process's own stderr (it raised fileno before)."""
+    import faulthandler
+    import io
+    import signal as _signal
+
+    from runtime import STACK_SIGNAL, register_stack_dump
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    register_stack_dump()
+    try:
+        _signal.raise_signal(STACK_SIGNAL)
+        assert "Current thread" in capfd.readouterr().err
+    finally:
+        faulthandler.unregister(STACK_SIGNAL)
