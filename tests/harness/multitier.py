@@ -46,6 +46,17 @@ def row(part: str, case: str, result: str, detail: str = "") -> dict:
     return {"part": part, "case": case, "result": result, "detail": detail}
 
 
+def emit_row(rows: list[dict], row: dict, rank: int, jsonl: str | Path | None) -> None:
+    """Keep a finished case's row; rank 0 prints it and appends it to `jsonl` at once (a
+    later case that hangs or kills the job keeps the earlier rows)."""
+    rows.append(row)
+    if rank == 0:
+        print(json.dumps(row), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def _ok(flag) -> str:
     return "passed" if flag else "failed"
 
