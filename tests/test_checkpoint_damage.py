@@ -22,7 +22,7 @@ import torch
 from checkpoint import hashing, store
 from checkpoint.manager import close_open
 from errors import ConfigError
-from tests.ckpt_harness import SMALL, Run, committed, previous_hint, refused, two_checkpoints
+from tests.ckpt_harness import Run, committed, previous_hint, refused, small_cfg, two_checkpoints
 from tests.helpers import tensor_record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -46,14 +46,6 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
     }
 
 
-def _compose(tmp: Path, name: str, *extra: str):
-    from config import compose_config
-
-    return compose_config(
-        [f"run.root={tmp}", f"run.name={name}", "train.device=cpu", *SMALL, *extra]
-    )
-
-
 # -- 1. a finished run asked for fewer steps ------------------------------------------------------
 
 
@@ -63,7 +55,7 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
     import train
 
     ck = ["checkpoint=sync", "checkpoint.interval=2", "checkpoint.keep_last=3"]
-    assert train.run(_compose(tmp_path, "r", "train.steps=4", *ck)) == 0
+    assert train.run(small_cfg(tmp_path, "r", "train.steps=4", *ck)) == 0
     root = tmp_path / "r" / "checkpoints"
     assert committed(root) == [2, 4]
     before = _snapshot(tmp_path / "r")
@@ -76,7 +68,7 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
     try:
         with redirect_stdout(out):
             status = train.run(
-                _compose(tmp_path, "r", "train.steps=2", "resume.accept=[train.steps]", *ck)
+                small_cfg(tmp_path, "r", "train.steps=2", "resume.accept=[train.steps]", *ck)
             )
     finally:
         close_open()
@@ -182,7 +174,7 @@ def trained(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("trained")
     try:
-        assert train.run(_compose(tmp, "r", "train.steps=12", *_RUN)) == 0
+        assert train.run(small_cfg(tmp, "r", "train.steps=12", *_RUN)) == 0
     finally:
         close_open()
     return tmp / "r"
@@ -269,9 +261,9 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
         with redirect_stdout(out):
             if policy == "stop":
                 with pytest.raises(ConfigError) as e:
-                    train.run(_compose(tmp_path, "r", *args))
+                    train.run(small_cfg(tmp_path, "r", *args))
             else:
-                assert train.run(_compose(tmp_path, "r", *args)) == 0
+                assert train.run(small_cfg(tmp_path, "r", *args)) == 0
     finally:
         close_open()
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
@@ -313,7 +305,7 @@ def _resume(tmp: Path, *args: str, sigterm_at: int | None = None):
         train._step = sending
         with redirect_stdout(out):
             try:
-                return train.run(_compose(tmp, "r", *args)), out.getvalue()
+                return train.run(small_cfg(tmp, "r", *args)), out.getvalue()
             except ConfigError as e:
                 return e, out.getvalue()
     finally:
@@ -335,7 +327,7 @@ def uninterrupted(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("uninterrupted")
     try:
-        assert train.run(_compose(tmp, "r", "train.steps=16", *_RUN)) == 0
+        assert train.run(small_cfg(tmp, "r", "train.steps=16", *_RUN)) == 0
     finally:
         close_open()
     return [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(tmp / "r")]
