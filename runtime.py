@@ -4,6 +4,7 @@ starting train.py as a subprocess (for tools and test harnesses that need whole 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -314,10 +315,8 @@ def end_process_group(failed: bool) -> None:
     if not dist.is_initialized():
         return
     if failed and dist.get_backend() == "nccl":
-        try:
+        with contextlib.suppress(Exception):  # exiting anyway: the failure's own error stands
             c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway: the failure's own error stands
-            pass
     else:
         dist.destroy_process_group()
 
@@ -564,10 +563,8 @@ class StopSignal:
             line = f"stopping: signal {signum} received ({type(e).__name__} reading the step)"
         if signum == signal.SIGINT:
             line += f"; Ctrl-C again (after {DOUBLE_PRESS_S:g} s) stops at once, unsaved"
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"{line}\n".encode())
-        except OSError:
-            pass
 
     def _say_orphaned(self) -> None:
         """The line of a launcher's end, said by the first trainer of each node (the launcher
@@ -582,10 +579,8 @@ class StopSignal:
             f"stopping: the launcher of this node's trainers (pid {self.launcher}) is gone, "
             f"so nothing would stop them: stopping {ahead}"
         )
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"{line}\n".encode())
-        except OSError:
-            pass
 
     def stop_now(self, status: int = EXIT_INTERRUPTED, what: str | None = None) -> None:
         """End this process now (a signal handler: runs in the main thread between bytecodes):

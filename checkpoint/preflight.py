@@ -18,6 +18,7 @@ lasting write has passed (`check_run_dir`, which `train.dry_run` runs too, with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -128,10 +129,8 @@ def remove_created(created: list[Path] | None = None) -> None:
     if made:
         RunLock.release_all()
     for d in reversed(made):
-        try:
+        with contextlib.suppress(OSError):
             d.rmdir()
-        except OSError:
-            pass
     made.clear()
 
 
