@@ -115,6 +115,11 @@ def small_cfg(tmp: Path, name: str, *extra: str):
     )
 
 
+def no_model(*args, **kwargs):
+    """train.build_training where a run must stop before it builds its model."""
+    raise AssertionError("the model was built before the run stopped")
+
+
 def two_checkpoints(run_dir: Path, **kw) -> Path:
     """Steps 2 and 4 committed; returns the checkpoint directory."""
     Run(run_dir, **kw).train(4)

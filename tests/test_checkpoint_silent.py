@@ -31,6 +31,7 @@ from tests.ckpt_harness import (
     SMALL,
     Run,
     committed,
+    no_model,
     previous_hint,
     refused,
     small_cfg,
@@ -401,9 +402,6 @@ def test_shared_checkpoint_dir_is_locked_and_not_resumed_by_another_run(tmp_path
     assert committed(shared) == [2]
 
     # Run b, after a: refused before its model is built, a's checkpoint untouched.
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the refusal")
-
     monkeypatch.setattr(train, "build_training", no_model)
     try:
         with pytest.raises(ConfigError) as e:
@@ -445,9 +443,6 @@ def test_resume_refusals_come_before_the_model_is_built(tmp_path, monkeypatch):
     assert train.run(small_cfg(tmp_path, "r", "train.steps=2", *ck)) == 0
     root = tmp_path / "r" / "checkpoints"
     before = sorted(p.name for p in root.iterdir())
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the refusal")
 
     monkeypatch.setattr(train, "build_training", no_model)
     refusals = {
@@ -574,9 +569,6 @@ def _stop_one_rank(rank, world_size, tmp):
     train.train_step = real
 
     # The requeued run: a changed config is refused on both ranks before either builds a model.
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the refusal")
-
     real_build, train.build_training = train.build_training, no_model
     try:
         train.run(small_cfg(tmp, "stop", "train.steps=20", "train.log_every=2", "optim.lr=0.01"))
