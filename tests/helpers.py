@@ -12,12 +12,10 @@ pass CPU_ENV. Process-group helpers are in tests/distributed.py.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import TrainState, training_state
 from model.config import ModelConfig
@@ -176,10 +174,3 @@ def run_steps(
         if ckpt is not None:
             ckpt.maybe_save(step, state)
     return losses, ids
-
-
-def tensor_record(ckpt: Path, fqn: str) -> tuple[Path, int, int]:
-    """(file, offset, length) of a tensor's record in a checkpoint."""
-    md = FileSystemReader(str(ckpt)).read_metadata()
-    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
-    return ckpt / info.relative_path, info.offset, info.length

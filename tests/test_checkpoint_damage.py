@@ -19,23 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import hashing, store
+from checkpoint import store
 from checkpoint.manager import close_open
 from errors import ConfigError
 from tests.ckpt_harness import Run, committed, previous_hint, refused, small_cfg, two_checkpoints
-from tests.helpers import tensor_record
+from tools.resume_guard_study import rewrite_hash, rewrite_tensor, saved_item
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def _rewrite_hash(ckpt: Path, name: str) -> None:
-    """What damage that passes every check looks like: the file's manifest entry rewritten
-    to the hash of its new bytes."""
-    manifest = store.read_manifest(ckpt)
-    entry = manifest["files"][name]
-    algorithm, _ = hashing.recorded(entry)
-    entry[algorithm] = hashing.hash_file(ckpt / name, algorithm)
-    (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:
@@ -88,11 +78,11 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
 def test_nan_adam_moment_with_rewritten_hash_is_refused_with_the_way_out(tmp_path):
     root = two_checkpoints(tmp_path)
     fqn = "optimizer.state.lm_head.weight.exp_avg"
-    path, offset, length = tensor_record(root / "step_0000004", fqn)
+    path, offset, length = saved_item(root / "step_0000004", fqn)
     with path.open("r+b") as f:
         f.seek(offset + length // 2)
         f.write(b"\xff" * 64)  # fp32 NaNs
-    _rewrite_hash(root / "step_0000004", path.name)
+    rewrite_hash(root / "step_0000004", path.name)  # damage that passes every check
     assert store.verify(root / "step_0000004") is None  # every check passes
     line = (
         f"checkpoint {root / 'step_0000004'} holds non-finite values (nan or inf in {fqn}; its "
@@ -180,20 +170,14 @@ def trained(tmp_path_factory):
     return tmp / "r"
 
 
-def _set_element(ckpt: Path, fqn: str, value: float, rewrite_hash: bool) -> None:
+def _set_element(ckpt: Path, fqn: str, value: float, rehash: bool) -> None:
     """Issue 46's damage: one element of a saved weight set to `value` in place (finite)."""
-    path, offset, length = tensor_record(ckpt, fqn)
-    data = bytearray(path.read_bytes())
-    record = bytes(data[offset : offset + length])  # torch.save's (uncompressed) zip
-    tensor = torch.load(io.BytesIO(record), weights_only=True)
-    raw = tensor.numpy().tobytes()
-    at = offset + record.index(raw)
-    damaged = tensor.clone()
-    damaged.view(-1)[0] = value
-    data[at : at + len(raw)] = damaged.numpy().tobytes()
-    path.write_bytes(bytes(data))
-    if rewrite_hash:
-        _rewrite_hash(ckpt, path.name)
+
+    def first_set(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[0] = value
+        return t
+
+    rewrite_tensor(ckpt, fqn, first_set, rehash=rehash)
 
 
 def _expected_limit(losses: list[float]) -> tuple[float, float, float]:
@@ -251,7 +235,7 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
     shutil.copytree(trained, tmp_path / "r")
     root = tmp_path / "r" / "checkpoints"
     fqn = "model.layers.0.self_attention.proj.weight"
-    _set_element(root / "step_0000012", fqn, 3e4, rewrite_hash=checksum)
+    _set_element(root / "step_0000012", fqn, 3e4, rehash=checksum)
     if checksum:
         assert store.verify(root / "step_0000012") is None  # every check passes
     args = ["train.steps=20", "resume.accept=[train.steps]", *_RUN]

@@ -29,7 +29,8 @@ from model.flops import parameter_count
 from runtime import host_id, launch
 from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
 from tests.distributed import run_distributed
-from tests.helpers import CPU_ENV, FakeLoader, tensor_record
+from tests.helpers import CPU_ENV, FakeLoader
+from tools.resume_guard_study import saved_item
 
 #: model=tiny: conf/model/tiny.yaml holds the schema's defaults.
 TINY = ModelConfig()
@@ -65,7 +66,7 @@ def _refused(run_dir: Path, **kw) -> str:
 
 def test_flipped_bytes_are_refused_and_nothing_is_removed(tmp_path):
     root = two_checkpoints(tmp_path)
-    path, offset, length = tensor_record(root / "step_0000004", "model.lm_head.weight")
+    path, offset, length = saved_item(root / "step_0000004", "model.lm_head.weight")
     before = path.read_bytes()
     _flip(path, offset + length // 2)
     msg = _refused(tmp_path)
@@ -81,7 +82,7 @@ def test_nan_weights_loaded_without_checksums_never_commit_or_prune(tmp_path):
     are found right after the load (issue 28: named there, not as "lower optim.lr" at the
     first step); nothing is committed or pruned."""
     root = two_checkpoints(tmp_path, keep_last=2)
-    path, offset, length = tensor_record(root / "step_0000004", "model.lm_head.weight")
+    path, offset, length = saved_item(root / "step_0000004", "model.lm_head.weight")
     _patch(path, offset + length // 2, b"\xff" * 64)  # fp32 NaNs
     msg = _refused(tmp_path, keep_last=2, checksum=False)
     assert msg == (
