@@ -104,8 +104,9 @@ test: setup-dev
 test-fast: setup-dev
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow and not slurm"
 
+# ruff, then the import layers of docs/ARCHITECTURE.md (import-linter; tools/lint_imports.py).
 lint: setup-dev
-	ruff check . && ruff format --check .
+	ruff check . && ruff format --check . && $(PYTHON) tools/lint_imports.py --no-logo
 
 # On a GPU machine with TE: the gpu-marked tests and the multi-GPU checks, as a table.
 gpu-suite:

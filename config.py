@@ -22,7 +22,9 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.health import POLICIES as LOSS_CHECKS
 from data.config import DataConfig
 from errors import ConfigError, one_of, require
+from logger import LoggerConfig
 from model.config import ModelConfig
+from optim import OptimConfig, lr_lambda
 from parallel.config import ParallelConfig
 from recipes.config import RecipeConfig
 
@@ -135,62 +137,6 @@ class TrainConfig:
         )
 
 
-#: optim.moment_dtype: the dtypes TE FusedAdam keeps Adam's moments in (here).
-MOMENT_DTYPES = ("fp32", "bf16")
-
-
-@dataclass
-class OptimConfig:
-    #: adamw: torch AdamW for the reference implementation, TE FusedAdam for TE.
-    name: str = "adamw"
-    #: Peak learning rate, reached at the end of warmup.
-    lr: float = 3e-3
-    #: The cosine decays to lr * min_lr_ratio at the end of the schedule (in [0, 1]).
-    min_lr_ratio: float = 0.1
-    #: Linear warmup from 0 to lr, in optimizer steps (longer than the schedule: a warning).
-    warmup_steps: int = 30
-    #: AdamW decoupled weight decay of the matrix weights (1-D parameters such as norms: none).
-    weight_decay: float = 0.1
-    #: Adam's first-moment decay, in [0, 1).
-    beta1: float = 0.9
-    #: Adam's second-moment decay, in [0, 1).
-    beta2: float = 0.95
-    #: Adam's denominator epsilon (> 0).
-    eps: float = 1e-8
-    #: Max global grad norm (0 disables clipping).
-    grad_clip: float = 1.0
-    #: Length of the warmup + cosine schedule in optimizer steps; past it the lr stays at
-    #: lr * min_lr_ratio. null: train.steps. Set it to the old train.steps to extend a run
-    #: without changing its schedule (docs/RUNS.md).
-    schedule_steps: int | None = None
-    #: dtype of Adam's two moments: fp32 | bf16 (TE FusedAdam only: half their memory, 4
-    #: bytes a parameter less; the update is still computed in fp32, but the moments are
-    #: rounded to bf16 after every step, a numerics change). Checkpoints hold them in fp32.
-    moment_dtype: str = "fp32"
-
-    def validate(self) -> None:
-        require(self.name == "adamw", f"optim.name={self.name!r} is not supported; use adamw")
-        require(
-            self.moment_dtype in MOMENT_DTYPES,
-            f"optim.moment_dtype={self.moment_dtype!r} is not one of {', '.join(MOMENT_DTYPES)}",
-        )
-        require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
-        require(
-            0 <= self.min_lr_ratio <= 1,
-            f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
-        )
-        require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
-        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
-        require(self.eps > 0, f"optim.eps={self.eps} must be > 0")
-        require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
-        require(
-            self.schedule_steps is None or self.schedule_steps >= 2,
-            f"optim.schedule_steps={self.schedule_steps} must be >= 2 (a warmup + cosine "
-            "schedule of one step is no schedule), or null: train.steps",
-        )
-
-
 @dataclass
 class EvalConfig:
     #: Loss on held-out data every `every` steps and at the last step (0: no evaluation, and
@@ -223,49 +169,6 @@ class ResumeConfig:
         """resume.loss_check (resume.accept is checked against the whole schema:
         `check_accept`)."""
         one_of(self.loss_check, LOSS_CHECKS, "resume.loss_check")
-
-
-WANDB_MODES = ("disabled", "offline", "online")
-WANDB_RESUME = ("auto", "rewind", "hold")
-
-
-@dataclass
-class WandbConfig:
-    #: disabled | offline | online
-    mode: str = "disabled"
-    #: wandb project name.
-    project: str = "te-llama"
-    #: wandb entity (team or user); null: the logged-in user's default.
-    entity: str | None = None
-    #: wandb run group (e.g. to gather a sweep); null: none.
-    group: str | None = None
-    #: wandb run tags.
-    tags: list[str] = field(default_factory=list)
-    #: What a resumed run does about steps wandb got past the checkpoint: rewind (online: the
-    #: run is rewound to the checkpoint's step, `wandb.init(resume_from=...)`, and records go
-    #: to wandb as they are logged), hold (records wait until a committed checkpoint covers
-    #: them, so nothing needs rewinding), auto (rewind when online and the installed wandb
-    #: has resume_from, else hold).
-    resume: str = "auto"
-
-    def validate(self) -> None:
-        one_of(self.mode, WANDB_MODES, "logger.wandb.mode")
-        one_of(self.resume, WANDB_RESUME, "logger.wandb.resume")
-        require(
-            self.resume != "rewind" or self.mode == "online",
-            f"logger.wandb.resume=rewind needs logger.wandb.mode=online (mode is "
-            f"{self.mode}; offline runs cannot be rewound); use logger.wandb.resume=hold "
-            "or auto",
-        )
-
-
-@dataclass
-class LoggerConfig:
-    #: Weights & Biases logging (stdout and <run_dir>/metrics.jsonl are always written).
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-
-    def validate(self) -> None:
-        self.wandb.validate()
 
 
 @dataclass
@@ -415,6 +318,30 @@ def validate_batch(cfg: Config, dp_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+def validate_tp_split(mcfg: ModelConfig, tp: int) -> None:
+    """Tensor parallelism (`tp`: parallel.tp as ParallelDims resolved it) splits heads, KV
+    heads, FFN columns and the (padded) vocabulary."""
+    if tp == 1:
+        return
+    for name, value in (
+        ("n_heads", mcfg.n_heads),
+        ("n_kv_heads", mcfg.n_kv_heads),
+        ("ffn_dim", mcfg.ffn_dim),
+    ):
+        if value % tp:
+            raise ConfigError(
+                f"model.{name}={value} is not divisible by parallel.tp={tp}; "
+                f"pick a tp that divides it"
+            )
+    if mcfg.padded_vocab_size % tp:
+        raise ConfigError(
+            f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
+            f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
+            f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
+            f"of {tp}"
+        )
+
+
 # --------------------------------------------------------------------------------------
 # Presets: `experiment=<name>` must name a file of conf/experiment/
 
@@ -511,8 +438,6 @@ def is_free_on_resume(path: str) -> bool:
 def schema_defaults() -> dict:
     """The whole config with every group's dataclass defaults, as plain containers."""
     from omegaconf import OmegaConf
-
-    from model.config import ModelConfig
 
     cfg = Config(
         model=ModelConfig(),
@@ -656,8 +581,6 @@ def _lr_at_resume(saved_yaml: str, current_yaml: str, step: int) -> str:
     """What a new schedule length does to the lr of the first resumed step: "; the lr of step
     N: A -> B" (rising again when the cosine is stretched), or "" when it stays."""
     import yaml
-
-    from optim import lr_lambda
 
     def lr(text: str) -> float:
         tree = _merge_defaults(schema_defaults(), yaml.safe_load(text) or {})

@@ -29,3 +29,10 @@ def require(ok: bool, msg: str) -> None:
 def one_of(value, allowed: tuple, field_name: str) -> None:
     """`field_name`'s value must be one of `allowed`."""
     require(value in allowed, f"{field_name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, short enough for a one-line ConfigError."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

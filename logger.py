@@ -48,11 +48,55 @@ import secrets
 import string
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import LoggerConfig, WandbConfig
-from errors import ConfigError
+from errors import ConfigError, one_of, require
 from runlog import read_metrics
+from runtime import format_duration
+
+WANDB_MODES = ("disabled", "offline", "online")
+WANDB_RESUME = ("auto", "rewind", "hold")
+
+
+@dataclass
+class WandbConfig:
+    #: disabled | offline | online
+    mode: str = "disabled"
+    #: wandb project name.
+    project: str = "te-llama"
+    #: wandb entity (team or user); null: the logged-in user's default.
+    entity: str | None = None
+    #: wandb run group (e.g. to gather a sweep); null: none.
+    group: str | None = None
+    #: wandb run tags.
+    tags: list[str] = field(default_factory=list)
+    #: What a resumed run does about steps wandb got past the checkpoint: rewind (online: the
+    #: run is rewound to the checkpoint's step, `wandb.init(resume_from=...)`, and records go
+    #: to wandb as they are logged), hold (records wait until a committed checkpoint covers
+    #: them, so nothing needs rewinding), auto (rewind when online and the installed wandb
+    #: has resume_from, else hold).
+    resume: str = "auto"
+
+    def validate(self) -> None:
+        one_of(self.mode, WANDB_MODES, "logger.wandb.mode")
+        one_of(self.resume, WANDB_RESUME, "logger.wandb.resume")
+        require(
+            self.resume != "rewind" or self.mode == "online",
+            f"logger.wandb.resume=rewind needs logger.wandb.mode=online (mode is "
+            f"{self.mode}; offline runs cannot be rewound); use logger.wandb.resume=hold "
+            "or auto",
+        )
+
+
+@dataclass
+class LoggerConfig:
+    #: Weights & Biases logging (stdout and <run_dir>/metrics.jsonl are always written).
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self) -> None:
+        self.wandb.validate()
+
 
 #: (key, label, format) of the step line after "step <n>/<total>", in order.
 LINE_FIELDS = [
@@ -69,18 +113,6 @@ LINE_FIELDS = [
 ]
 
 SENT_FILE = "wandb_sent.json"
-
-
-def format_duration(seconds: float) -> str:
-    """12s, 3m05s, 2h07m, 3d04h."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def format_line(record: dict, total_steps: int | None = None) -> str:

@@ -4,11 +4,67 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from config import OptimConfig
+from errors import require
+
+#: optim.moment_dtype: the dtypes TE FusedAdam keeps Adam's moments in (here).
+MOMENT_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class OptimConfig:
+    #: adamw: torch AdamW for the reference implementation, TE FusedAdam for TE.
+    name: str = "adamw"
+    #: Peak learning rate, reached at the end of warmup.
+    lr: float = 3e-3
+    #: The cosine decays to lr * min_lr_ratio at the end of the schedule (in [0, 1]).
+    min_lr_ratio: float = 0.1
+    #: Linear warmup from 0 to lr, in optimizer steps (longer than the schedule: a warning).
+    warmup_steps: int = 30
+    #: AdamW decoupled weight decay of the matrix weights (1-D parameters such as norms: none).
+    weight_decay: float = 0.1
+    #: Adam's first-moment decay, in [0, 1).
+    beta1: float = 0.9
+    #: Adam's second-moment decay, in [0, 1).
+    beta2: float = 0.95
+    #: Adam's denominator epsilon (> 0).
+    eps: float = 1e-8
+    #: Max global grad norm (0 disables clipping).
+    grad_clip: float = 1.0
+    #: Length of the warmup + cosine schedule in optimizer steps; past it the lr stays at
+    #: lr * min_lr_ratio. null: train.steps. Set it to the old train.steps to extend a run
+    #: without changing its schedule (docs/RUNS.md).
+    schedule_steps: int | None = None
+    #: dtype of Adam's two moments: fp32 | bf16 (TE FusedAdam only: half their memory, 4
+    #: bytes a parameter less; the update is still computed in fp32, but the moments are
+    #: rounded to bf16 after every step, a numerics change). Checkpoints hold them in fp32.
+    moment_dtype: str = "fp32"
+
+    def validate(self) -> None:
+        require(self.name == "adamw", f"optim.name={self.name!r} is not supported; use adamw")
+        require(
+            self.moment_dtype in MOMENT_DTYPES,
+            f"optim.moment_dtype={self.moment_dtype!r} is not one of {', '.join(MOMENT_DTYPES)}",
+        )
+        require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        require(
+            0 <= self.min_lr_ratio <= 1,
+            f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
+        )
+        require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
+        require(self.eps > 0, f"optim.eps={self.eps} must be > 0")
+        require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
+        require(
+            self.schedule_steps is None or self.schedule_steps >= 2,
+            f"optim.schedule_steps={self.schedule_steps} must be >= 2 (a warmup + cosine "
+            "schedule of one step is no schedule), or null: train.steps",
+        )
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

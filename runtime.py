@@ -4,6 +4,7 @@ starting train.py as a subprocess (for tools and test harnesses that need whole 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -133,42 +134,16 @@ def matmul_rate(seconds: float = 0.3, size: int = 512) -> float:
     return 2 * size**3 * n / elapsed
 
 
-#: A training step of the reference implementation on CPU takes about this many times its
-#: FLOPs at `matmul_rate` (norms, attention, the loss, the optimizer and framework overhead
-#: around the matrix products, and matrices smaller than the probe's). Measured on 2 shared
-#: cores, one thread, load 2.2-2.6: model=tiny 0.67 s a step against 0.45 s of its FLOPs at the
-#: probe's 52 GFLOP/s (1.5x); model=small about a minute a step on 2 cores (docs/INSTALL.md)
-#: against 22 s at a 2-thread probe's ~100 GFLOP/s (2.7x). Good to a factor of 2.
-CPU_STEP_OVERHEAD = 2.0
-
-#: More fp32 FLOP/s than one core of any current CPU gives (one core of the 2-core test
-#: machine: about 52 G): a model whose step is quick even at this rate needs no measurement.
-CPU_CORE_FLOPS_MAX = 200e9
-
-#: Above this estimated time per step, a CPU run says at start what it will cost and the way out.
-SLOW_CPU_STEP_S = 5.0
-
-
-def cpu_run_estimate(cfg, world_size: int, rate: float | None = None) -> dict[str, float]:
-    """Time per step and memory of a CPU run of `cfg` (a train Config), before anything is
-    built: `step_s` = the step's training FLOPs (model/flops.py) per process at this CPU's
-    measured matmul rate x CPU_STEP_OVERHEAD; `memory_gib` per process = fp32 weights,
-    gradients and Adam's two moments (16 bytes a parameter, divided among FSDP's shards) plus
-    the micro batch's fp32 activations (the block's saved tensors, and the logits with their
-    gradient) and torch's own ~0.5 GiB."""
-    from model.flops import causal_row_flops_per_token, parameter_count
-
-    m, seq = cfg.model, cfg.data.seq_len
-    tokens = cfg.train.global_batch_size * seq / world_size
-    micro = (cfg.train.micro_batch_size or cfg.train.global_batch_size // world_size) * seq
-    rate = rate or matmul_rate()
-    step_s = causal_row_flops_per_token(m, seq) * tokens / rate * CPU_STEP_OVERHEAD
-    kv = m.n_kv_heads * m.head_dim
-    block = 4 * (6 * m.dim + 2 * kv + 3 * m.ffn_dim + 2 * m.n_heads * seq)  # per token, fp32
-    activations = micro * (m.n_layers * block + 2 * 4 * m.padded_vocab_size)
-    states = 16 * parameter_count(m) / world_size
-    memory = states + activations + 0.5 * 2**30
-    return {"step_s": step_s, "memory_gib": memory / 2**30, "rate": rate}
+def format_duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m, 3d04h."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def host_memory_gib() -> float | None:
@@ -177,40 +152,6 @@ def host_memory_gib() -> float | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def cpu_note(cfg, world_size: int, threads: int, rate: float | None = None) -> str | None:
-    """The start-up line of a CPU run whose steps `cpu_run_estimate` puts above
-    SLOW_CPU_STEP_S: what a step and the whole run will cost here, and the way out. None for a
-    run that is quick enough (model=tiny)."""
-    from model.flops import causal_row_flops_per_token
-
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len / world_size
-    fastest = CPU_CORE_FLOPS_MAX * threads / CPU_STEP_OVERHEAD  # no need to measure below it
-    if causal_row_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / fastest < SLOW_CPU_STEP_S:
-        return None
-    est = cpu_run_estimate(cfg, world_size, rate)
-    if est["step_s"] < SLOW_CPU_STEP_S:
-        return None
-    from logger import format_duration
-
-    have = host_memory_gib()
-    fits = ""
-    if have:
-        fits = (
-            f", {'more' if est['memory_gib'] > have else 'less'} than this machine's {have:.0f} GiB"
-        )
-    step = format_duration(est["step_s"])
-    total = format_duration(est["step_s"] * cfg.train.steps)
-    check = "" if cfg.train.dry_run else ", to check this config train.dry_run=true"
-    return (
-        f"note: model={cfg.model.name} on this CPU: about {step} a step of "
-        f"{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens ({cfg.train.steps} steps: "
-        f"about {total}) and {est['memory_gib']:.1f} GiB of memory per process{fits} (estimate "
-        f"at {threads} thread{'s' if threads > 1 else ''}, {est['rate'] / 1e9:.0f} GFLOP/s "
-        f"measured now); for a CPU run use model=tiny{check}, to train it a GPU "
-        "(docs/INSTALL.md)"
-    )
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -374,10 +315,8 @@ def end_process_group(failed: bool) -> None:
     if not dist.is_initialized():
         return
     if failed and dist.get_backend() == "nccl":
-        try:
+        with contextlib.suppress(Exception):  # exiting anyway: the failure's own error stands
             c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway: the failure's own error stands
-            pass
     else:
         dist.destroy_process_group()
 
@@ -624,10 +563,8 @@ class StopSignal:
             line = f"stopping: signal {signum} received ({type(e).__name__} reading the step)"
         if signum == signal.SIGINT:
             line += f"; Ctrl-C again (after {DOUBLE_PRESS_S:g} s) stops at once, unsaved"
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"{line}\n".encode())
-        except OSError:
-            pass
 
     def _say_orphaned(self) -> None:
         """The line of a launcher's end, said by the first trainer of each node (the launcher
@@ -642,10 +579,8 @@ class StopSignal:
             f"stopping: the launcher of this node's trainers (pid {self.launcher}) is gone, "
             f"so nothing would stop them: stopping {ahead}"
         )
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"{line}\n".encode())
-        except OSError:
-            pass
 
     def stop_now(self, status: int = EXIT_INTERRUPTED, what: str | None = None) -> None:
         """End this process now (a signal handler: runs in the main thread between bytecodes):
@@ -772,6 +707,15 @@ def set_train_launcher(launcher: Callable[..., subprocess.CompletedProcess | Non
     _train_launcher = launcher
 
 
+def command(args: Sequence[str], nproc: int = 1, program: Sequence[str] = ("train.py",)) -> list:
+    """`python train.py ARGS` (or another `program`), under `torchrun --standalone` when
+    nproc > 1."""
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*cmd, *program, *args]
+
+
 def launch(
     args: list[str],
     *,
@@ -788,11 +732,8 @@ def launch(
         done = _train_launcher(args, nproc=nproc, env=env, timeout=timeout, program=program)
         if done is not None:
             return done
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(
-        [*cmd, *program, *args],
+        command(args, nproc, program),
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True,
@@ -802,6 +743,15 @@ def launch(
 
 
 # -- process identity: lock files name their holder ------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    """The directory's entries on disk (after files in it were created, renamed or removed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def host_id() -> str:
@@ -818,7 +768,7 @@ def host_name(host: str) -> str:
     return str(host).split("/")[0]
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (Linux), else None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -830,7 +780,7 @@ def _stat_fields(pid: int) -> list[str] | None:
 def process_start(pid: int) -> str | None:
     """The start time of process `pid` in clock ticks since boot (Linux), else None: with the
     pid it names one process, whose pid the system may later give to another."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields[19] if fields and len(fields) > 19 else None
 
 
@@ -843,5 +793,5 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return not fields or fields[0] != "Z"

@@ -55,15 +55,17 @@ from config import (
     register_configs,
     validate,
     validate_batch,
+    validate_tp_split,
 )
 from data import build_data, build_tokenizer, vocabulary_line
 from data.sources import check_source, corpus_fingerprint
 from divergence import Divergence
 from errors import ConfigError
-from logger import MetricsLogger, StepClock, check_logger_config, format_duration
+from logger import MetricsLogger, StepClock, check_logger_config
 from model import build_model, init_weights, resolve_impl, te_available
+from model.config import block_weight_shapes
 from model.flops import peak_tflops, step_flops
-from model.memory import estimate_gpu_memory, parameter_storage
+from model.memory import cpu_note, estimate_gpu_memory, parameter_storage
 from optim import apply_config, build_optimizer, build_scheduler
 from overrides import check_flags, check_overrides
 from parallel import ParallelDims, parallelize
@@ -94,10 +96,10 @@ from runtime import (
     apply_nccl_priority,
     check_determinism,
     collective_timeout,
-    cpu_note,
     deterministic_env,
     end_process_group,
     exit_status,
+    format_duration,
     launcher_pid,
     lost_peer_line,
     out_of_memory_line,
@@ -123,7 +125,7 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
     apply_attention_environment(recipes_of_run)
     check_source(cfg.data)  # data=hf: the local path exists (the tokenizer comes next)
     dims = ParallelDims(cfg.parallel, world_size)
-    dims.validate_model(cfg.model)
+    validate_tp_split(cfg.model, dims.tp)
     dims.validate_seq_len(cfg.data.seq_len)
     grad_accum = validate_batch(cfg, dims.dp_size)
     impl = resolve_impl(cfg.model.impl)
@@ -146,7 +148,8 @@ def check_config(cfg: Config, world_size: int, device: torch.device):
             check_recipe(rcfg, impl, device)
             check_fp8_attention(rcfg, cfg.model, cfg.data, cfg.train.deterministic, device)
             # FSDP shards each weight over dp_shard x cp.
-            check_recipe_layout(rcfg, cfg.model, world_size, dims.dp_shard * dims.cp, dims.tp)
+            shapes = block_weight_shapes(cfg.model)
+            check_recipe_layout(rcfg, shapes, world_size, dims.dp_shard * dims.cp, dims.tp)
             check_bf16_layers(rcfg, cfg.model.n_layers)
         except ConfigError as e:
             if i == 0:
@@ -331,6 +334,12 @@ def resume_plan(cfg: Config, run_dir: Path, segment: SegmentConfig, rank: int, w
     return line, step
 
 
+def run_dir_args(cfg: Config) -> tuple:
+    """What checkpoint/preflight.py checks the run directory with: run.root, run.name, the
+    checkpoint and model sections, recipe.quantized_init (the checkpoints' size)."""
+    return cfg.run.root, cfg.run.name, cfg.checkpoint, cfg.model, cfg.recipe.quantized_init
+
+
 def nothing_to_do(run_dir: Path, step: int, steps: int) -> str:
     return (
         f"nothing to do: {run_dir} is at step {step} and train.steps={steps}; to train "
@@ -353,8 +362,8 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
     permissions and free space, the run lock, the resume decision: the same refusals), then a
     summary and what was not checked; returns the exit status (0). Nothing is written and no
     data is read."""
-    run_dir, run_dir_line = check_run_dir(cfg, dims.world_size)
-    lock_line = check_locks(cfg, run_dir) if dims_rank() == 0 else None
+    run_dir, run_dir_line = check_run_dir(*run_dir_args(cfg), dims.world_size)
+    lock_line = check_locks(cfg.checkpoint, run_dir) if dims_rank() == 0 else None
     segment = SegmentConfig(OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.resume.accept)
     plan, step = resume_plan(cfg, run_dir, segment, dims_rank(), dims.world_size)
     _say_cpu_cost(cfg, dims.world_size, device, say)
@@ -368,28 +377,25 @@ def dry_run(cfg: Config, dims, grad_accum, impl, device, run_dir: Path, tokenize
     ckpt_bytes = estimate_checkpoint_bytes(cfg.model, cfg.recipe.quantized_init)
     c = cfg.checkpoint
     saves = f"keeps the last {c.keep_last}" if c.mode != "none" else "checkpoint=none: none saved"
-    say("dry run: the config is valid; nothing is trained, read or written", flush=True)
-    say(f"mesh: {dims} on {device.type}, grad_accum={grad_accum}", flush=True)
+    say("dry run: the config is valid; nothing is trained, read or written")
+    say(f"mesh: {dims} on {device.type}, grad_accum={grad_accum}")
     say(
         f"model: {cfg.model.name} impl={impl} params={n_params / 1e6:.2f}M recipe={label(rcfg)} "
-        f"(built on the meta device and parallelized: layout={cfg.parallel.name})",
-        flush=True,
+        f"(built on the meta device and parallelized: layout={cfg.parallel.name})"
     )
-    say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
+    say(memory_estimate_line(cfg, dims, grad_accum, device))
     say(
         f"checkpoint: about {ckpt_bytes / 2**30:.2f} GiB each on disk ({saves}) in "
-        f"{checkpoint_root(c, run_dir)}",
-        flush=True,
+        f"{checkpoint_root(c, run_dir)}"
     )
     say(
         f"data: data={cfg.data.name} seq_len={cfg.data.seq_len} global batch "
-        f"{cfg.train.global_batch_size} sequences, {vocabulary_line(cfg.data, tokenizer)}",
-        flush=True,
+        f"{cfg.train.global_batch_size} sequences, {vocabulary_line(cfg.data, tokenizer)}"
     )
-    say(run_dir_line, flush=True)
-    say(lock_line, flush=True)
-    say(plan, flush=True)
-    say(DRY_RUN_UNCHECKED, flush=True)
+    say(run_dir_line)
+    say(lock_line)
+    say(plan)
+    say(DRY_RUN_UNCHECKED)
     return 0
 
 
@@ -438,7 +444,7 @@ def eval_only(cfg: Config, dims, grad_accum, impl, device, run_dir, tokenizer, s
         dp_rank=dims.dp_rank,
         dp_size=dims.dp_size,
         eval_batches=cfg.eval.batches,
-        log=lambda line: say(line, flush=True),
+        log=say,
     )
     check = _EvalOnlyCheck(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     train_state = TrainState(on_load=check)
@@ -461,21 +467,18 @@ def eval_only(cfg: Config, dims, grad_accum, impl, device, run_dir, tokenizer, s
     if check.changes:
         say(
             f"note: evaluated with changes against the checkpoint's config: "
-            f"{'; '.join(map(str, check.changes))}",
-            flush=True,
+            f"{'; '.join(map(str, check.changes))}"
         )
     saved = yaml.safe_load(check.saved or "") or {}
     if check.saved and not (saved.get("eval") or {}).get("every") and not cfg.data.eval_split:
         say(
             "note: the run trained with eval.every=0, so these held-out documents were also "
-            "in its training data (train with eval.every>0 to hold them out)",
-            flush=True,
+            "in its training data (train with eval.every>0 to hold them out)"
         )
     n = cfg.eval.batches * cfg.train.global_batch_size
     say(
         f"eval: step {step} val_loss {float(val_loss):.4f} on {cfg.eval.batches} held-out "
-        f"batches ({n} sequences of {cfg.data.seq_len} tokens) from {ckpt.root}",
-        flush=True,
+        f"batches ({n} sequences of {cfg.data.seq_len} tokens) from {ckpt.root}"
     )
     return 0
 
@@ -515,13 +518,13 @@ def _run(cfg: Config, stop: StopSignal) -> int:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(cfg.train.device)
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
     threads_line = _prepare_process(cfg, world_size, device, say)  # and step 1
 
     # 2. Model source: Hugging Face weights (model.init_from) unless the run resumes from a
     #    checkpoint; their config.json fills (model=hf) or checks the model config.
     run_dir = Path(cfg.run.root) / cfg.run.name
-    cfg.model, hf_weights = model_source(cfg, run_dir)
+    cfg.model, hf_weights = model_source(cfg.model, cfg.checkpoint, run_dir)
 
     # 3. Config check: one clear line for any bad input, before GPU memory or data.
     dims, grad_accum, impl, tokenizer = _checked_config(cfg, world_size, device, say)
@@ -532,7 +535,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
         return path(cfg, dims, grad_accum, impl, device, run_dir, tokenizer, say)
     # The run directory: writable, room for the checkpoints, and locked by rank 0 (one run at
     # a time; an absolute checkpoint.dir too); checkpoint/preflight.py.
-    run_dir, run_lock = prepare_run_dir(cfg, rank, world_size)
+    run_dir, run_lock = prepare_run_dir(*run_dir_args(cfg), rank, world_size)
     if run_lock is not None:
         stop.release = run_lock.release  # a second Ctrl-C frees the run directory
     segment, ckpt, resume_from = _plan_resume(cfg, run_dir, run_lock, rank, world_size, stop)
@@ -540,7 +543,7 @@ def _run(cfg: Config, stop: StopSignal) -> int:
         # Nothing to train: nothing is built, loaded or written (a save here would commit the
         # resumed state under the smaller train.steps, a checkpoint mislabeled as that step).
         ckpt.close()
-        say(nothing_to_do(run_dir, resume_from, cfg.train.steps), flush=True)
+        say(nothing_to_do(run_dir, resume_from, cfg.train.steps))
         return 0
     _say_cpu_cost(cfg, world_size, device, say)
     loop = Loop(
@@ -559,8 +562,7 @@ def _prepare_process(cfg: Config, world_size: int, device, say) -> str | None:
         cfg.train.deterministic = True
         say(
             "deterministic: the environment sets NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and "
-            "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true",
-            flush=True,
+            "CUBLAS_WORKSPACE_CONFIG: recorded as train.deterministic=true"
         )
     # CPU: the vector width first (before any kernel runs), then the threads; both go in the
     # model line
@@ -573,7 +575,7 @@ def _prepare_process(cfg: Config, world_size: int, device, say) -> str | None:
         apply_nccl_priority(cfg.parallel.nccl_high_priority, device),
     ):
         if line:
-            say(line, flush=True)
+            say(line)
 
     # 1. Processes. The group comes before the config check because step 2 runs on rank 0
     #    first (a download) and decides the model shape the check needs.
@@ -591,8 +593,9 @@ def _say_cpu_cost(cfg: Config, world_size: int, device, say) -> None:
     """A model too big for this CPU: its cost here and the way out, once the run is known to
     go ahead (a refused run prints its error line alone) and before anything is built."""
     if device.type == "cpu" and dims_rank() == 0:
-        if note := cpu_note(cfg, world_size, torch.get_num_threads()):
-            say(note, flush=True)
+        threads = torch.get_num_threads()
+        if note := cpu_note(cfg.model, cfg.train, cfg.data.seq_len, world_size, threads):
+            say(note)
 
 
 def _checked_config(cfg: Config, world_size: int, device, say):
@@ -600,15 +603,14 @@ def _checked_config(cfg: Config, world_size: int, device, say):
     against the model's vocabulary). Returns (dims, grad_accum, impl, tokenizer)."""
     dims, grad_accum, impl = check_config(cfg, world_size, device)
     for line in config_warnings(cfg):
-        say(line, flush=True)
+        say(line)
     if environment := attention_environment(run_recipes(cfg)):  # set by check_config
         say(
             "attention: FP8 under the delayed scaling TE builds for it (recipe.fp8_attention): "
-            + " ".join(f"{k}={v}" for k, v in environment.items()),
-            flush=True,
+            + " ".join(f"{k}={v}" for k, v in environment.items())
         )
     if device.type == "cuda":
-        say(memory_estimate_line(cfg, dims, grad_accum, device), flush=True)
+        say(memory_estimate_line(cfg, dims, grad_accum, device))
     # data=synthetic loads no tokenizer: its random ids need only the model's vocabulary size.
     tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -719,12 +721,10 @@ def _build(loop: Loop, tokenizer, resume_from: int, hf_weights, threads_line) ->
         dp_rank=dims.dp_rank,
         dp_size=dims.dp_size,
         eval_batches=cfg.eval.batches if cfg.eval.every > 0 else 0,
-        log=lambda line: loop.say(line, flush=True),
+        log=loop.say,
     )
     if loop.eval_batches is not None:
-        loop.say(
-            f"eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps", flush=True
-        )
+        loop.say(f"eval: {cfg.eval.batches} held-out batches every {cfg.eval.every} steps")
 
     # 10. Checkpoint resume (what plan_resume chose; the config is compared again with the
     #     loaded train state's), then the logger (it trims metrics to the resumed step and
@@ -779,8 +779,7 @@ def _resume(loop: Loop, first_step: int) -> None:
             accepted = "; ".join(map(str, segment.accepted))
             loop.say(
                 f"config: resuming step {start_step} with accepted changes: {accepted} "
-                f"(recorded in {recorded})",
-                flush=True,
+                f"(recorded in {recorded})"
             )
 
 

@@ -48,8 +48,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from checkpoint import store
+from checkpoint.config import CheckpointConfig
 from checkpoint.resume import resumes
-from errors import ConfigError
+from errors import ConfigError, one_line
 from model.config import ModelConfig
 from model.hf import (
     check_hf_names,
@@ -74,12 +75,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # DCP warns that no process group is used; the export reads in one process on purpose.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +103,7 @@ def resolve_hf_folder(spec: str, *, weights: bool, local_files_only: bool = Fals
     except Exception as e:  # no network, unknown or gated repo, ...: all mean "unusable"
         raise ConfigError(
             f"model.init_from={spec} is not a local folder and could not be fetched from the "
-            f"Hugging Face hub ({_one_line(e)}); pass a local folder, or a hub name (set "
+            f"Hugging Face hub ({one_line(e)}); pass a local folder, or a hub name (set "
             "HF_TOKEN for gated models)"
         ) from None
     return Path(got)
@@ -307,7 +302,7 @@ def export_tokenizer(spec: str, model_max_length: int):
             tok = AutoTokenizer.from_pretrained(spec)
         except Exception as e:
             raise ConfigError(
-                f"the run's tokenizer {spec!r} cannot be loaded ({_one_line(e)}); pass "
+                f"the run's tokenizer {spec!r} cannot be loaded ({one_line(e)}); pass "
                 "--tokenizer <name or folder>"
             ) from None
     return tok, tok.bos_token_id, tok.eos_token_id
@@ -321,7 +316,7 @@ def _model_config(saved: dict, path: Path) -> ModelConfig:
         return OmegaConf.to_object(merged)
     except Exception as e:
         raise ConfigError(
-            f"checkpoint {path}: its config.yaml has no usable model section ({_one_line(e)})"
+            f"checkpoint {path}: its config.yaml has no usable model section ({one_line(e)})"
         ) from None
 
 
@@ -463,7 +458,9 @@ def _open_checkpoint(checkpoint: str | Path, earlier: str):
     return path, saved, cfg, md, entries
 
 
-def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
+def model_source(
+    m: ModelConfig, ck: CheckpointConfig, run_dir: Path
+) -> tuple[ModelConfig, Path | None]:
     """Step 2 of train.run: the model config to build, and the Hugging Face folder to load its
     weights from (None: the seeded init).
 
@@ -473,7 +470,6 @@ def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
     run's checkpoint directory holds a complete one) the HF weights are neither fetched nor
     loaded, only config.json is read; init_from is used when the run starts at step 0. Rank 0
     decides and fetches first; the others wait for it (`from_rank0`)."""
-    m = cfg.model
     if not m.init_from:
         if m.shape_from_hf:
             raise ConfigError(
@@ -481,7 +477,7 @@ def model_source(cfg, run_dir: Path) -> tuple[ModelConfig, Path | None]:
                 "model.init_from=<Hugging Face folder or hub name>"
             )
         return m, None
-    resuming = from_rank0(lambda: resumes(cfg.checkpoint, run_dir))
+    resuming = from_rank0(lambda: resumes(ck, run_dir))
     folder = resolve_init_from(m.init_from, weights=not resuming)
     mcfg = model_config_for_hf(m, read_hf_config(folder))
     if resuming:

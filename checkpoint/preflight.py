@@ -1,6 +1,6 @@
 """Run directory checks before any expensive work (train.py step 1, before the model).
 
-    run_dir, lock = prepare_run_dir(cfg, rank, world_size)
+    run_dir, lock = prepare_run_dir(root, name, checkpoint_cfg, model_cfg, quantized, rank, world)
 
 Every rank: the checkpoint fields are valid; the run directory (and the checkpoint directory)
 can be created and written (a probe made and removed again where it would be created); with
@@ -18,16 +18,18 @@ lasting write has passed (`check_run_dir`, which `train.dry_run` runs too, with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any
 
 from checkpoint import staging, store
-from checkpoint.config import validate
+from checkpoint.config import CheckpointConfig, validate
+from checkpoint.context import checkpoint_root
 from checkpoint.runlock import RunLock
 from errors import ConfigError
+from model.config import ModelConfig
 from model.flops import parameter_count
 
 GiB = 2**30
@@ -43,7 +45,7 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def estimate_checkpoint_bytes(m: Any, quantized_weights: bool = False) -> int:
+def estimate_checkpoint_bytes(m: ModelConfig, quantized_weights: bool = False) -> int:
     """Bytes of one checkpoint of the whole run (all ranks), roughly."""
     return parameter_count(m) * (13 if quantized_weights else 12)
 
@@ -127,36 +129,30 @@ def remove_created(created: list[Path] | None = None) -> None:
     if made:
         RunLock.release_all()
     for d in reversed(made):
-        try:
+        with contextlib.suppress(OSError):
             d.rmdir()
-        except OSError:
-            pass
     made.clear()
 
 
-def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
-    root = Path(cfg.checkpoint.dir).expanduser()
-    return root if root.is_absolute() else run_dir / root
-
-
-def check_run_dir(cfg: Any, world_size: int) -> tuple[Path, str]:
+def check_run_dir(
+    run_root: str, run_name: str, ck: CheckpointConfig, m: ModelConfig, quantized: bool, world: int
+) -> tuple[Path, str]:
     """Every check of `prepare_run_dir` that needs no lasting write: the checkpoint fields,
-    that the run and checkpoint directories can be created and written, the room for the
-    checkpoints and, for async modes, for one staging copy. Leaves nothing behind (its probes
-    are removed again; the dry run calls it too). Returns the run directory and a line saying
-    what was found."""
-    ck = cfg.checkpoint
+    that the run directory (run.root / run.name) and the checkpoint directory can be created
+    and written, the room for the checkpoints of model `m` (`quantized`: recipe.quantized_init)
+    and, for async modes, for one staging copy. Leaves nothing behind (its probes are removed
+    again; the dry run calls it too). Returns the run directory and a line saying what was
+    found."""
     validate(ck)
-    run_dir = Path(cfg.run.root) / cfg.run.name
-    _check_writable(run_dir, f"run.root={cfg.run.root}")
+    run_dir = Path(run_root) / run_name
+    _check_writable(run_dir, f"run.root={run_root}")
     state = "exists" if run_dir.is_dir() else "would be created"
     line = f"run directory: {run_dir} ({state}) is writable"
     if ck.mode == "none":
         return run_dir, line
-    root = checkpoint_root(cfg, run_dir)
+    root = checkpoint_root(ck, run_dir)
     _check_writable(root, f"checkpoint.dir={ck.dir}")
-    quantized = bool(getattr(getattr(cfg, "recipe", None), "quantized_init", False))
-    need = estimate_checkpoint_bytes(cfg.model, quantized)
+    need = estimate_checkpoint_bytes(m, quantized)
     # At the steady state keep_last checkpoints exist while the next one is written (the
     # oldest is pruned after the commit); those already here take no more room (unless
     # resume=none moves them aside: kept, never pruned).
@@ -167,17 +163,17 @@ def check_run_dir(cfg: Any, world_size: int) -> tuple[Path, str]:
         held = f"; {have} of them are here already" if have else ""
         raise ConfigError(
             f"checkpoint.dir={ck.dir}: {root} has {format_bytes(free)} free, {count} more "
-            f"checkpoint{'s' if count > 1 else ''} of model {cfg.model.name} "
+            f"checkpoint{'s' if count > 1 else ''} of model {m.name} "
             f"need{'' if count > 1 else 's'} about "
             f"{format_bytes(count * need)} ({format_bytes(need)} each: "
-            f"{parameter_count(cfg.model) / 1e6:.1f}M parameters x "
+            f"{parameter_count(m) / 1e6:.1f}M parameters x "
             f"{13 if quantized else 12} bytes; checkpoint.keep_last={ck.keep_last} kept "
             f"plus the one being written{held}); free space, lower checkpoint.keep_last or "
             "point checkpoint.dir to a larger filesystem"
         )
     if ck.mode in ("async", "async_process"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        per_node = need // max(world_size, 1) * min(local, world_size)
+        per_node = need // max(world, 1) * min(local, world)
         available = staging.host_memory_available()
         if available is not None and per_node > available:
             raise ConfigError(
@@ -201,46 +197,45 @@ def check_run_dir(cfg: Any, world_size: int) -> tuple[Path, str]:
     return run_dir, line
 
 
-def _outside_checkpoint_root(cfg: Any, run_dir: Path) -> Path | None:
+def _outside_checkpoint_root(ck: CheckpointConfig, run_dir: Path) -> Path | None:
     """The checkpoint directory when it lies outside the run directory (an absolute
     checkpoint.dir that several runs of different run.name may share), else None."""
-    if cfg.checkpoint.mode == "none":
+    if ck.mode == "none":
         return None
-    root = checkpoint_root(cfg, run_dir).resolve()
+    root = checkpoint_root(ck, run_dir).resolve()
     return None if root.is_relative_to(run_dir.resolve()) else root
 
 
-def check_locks(cfg: Any, run_dir: Path) -> str:
+def check_locks(ck: CheckpointConfig, run_dir: Path) -> str:
     """The dry run's look at the run locks (the run directory's, and the checkpoint
     directory's when it lies outside): the refusal a start would give while a live run holds
     one, as a ConfigError; else a line saying what a start would do. Takes nothing."""
     parts = [RunLock.check(run_dir)]
-    if (root := _outside_checkpoint_root(cfg, run_dir)) is not None:
-        what = f"checkpoint.dir={cfg.checkpoint.dir} ({root}, outside the run directory)"
+    if (root := _outside_checkpoint_root(ck, run_dir)) is not None:
+        what = f"checkpoint.dir={ck.dir} ({root}, outside the run directory)"
         parts.append(RunLock.check(root, what=what))
     return "lock: " + "; ".join(parts)
 
 
 def prepare_run_dir(
-    cfg: Any, rank: int, world_size: int, *, log=print
+    run_root: str, run_name: str, ck, m, quantized: bool, rank: int, world: int, *, log=print
 ) -> tuple[Path, RunLock | None]:
-    """Check (`check_run_dir`), then create the run directory; rank 0 locks it. Returns
-    (run_dir, lock or None). Nothing is created before every check passed; a refusal after that
-    (a probe write, the lock) removes the directories made here, and so does `remove_created()`
-    for a run refused later (train.main, on a ConfigError)."""
-    ck = cfg.checkpoint
+    """Check (`check_run_dir`, the same arguments), then create the run directory; rank 0
+    locks it. Returns (run_dir, lock or None). Nothing is created before every check passed; a
+    refusal after that (a probe write, the lock) removes the directories made here, and so does
+    `remove_created()` for a run refused later (train.main, on a ConfigError)."""
     _CREATED.clear()
-    run_dir, _ = check_run_dir(cfg, world_size)
+    run_dir, _ = check_run_dir(run_root, run_name, ck, m, quantized, world)
     made = _CREATED
     try:
-        _create(run_dir, f"run.root={cfg.run.root}", made)
+        _create(run_dir, f"run.root={run_root}", made)
         if ck.mode != "none":
-            _create(checkpoint_root(cfg, run_dir), f"checkpoint.dir={ck.dir}", made)
+            _create(checkpoint_root(ck, run_dir), f"checkpoint.dir={ck.dir}", made)
         lock = RunLock.acquire(run_dir, log=log) if rank == 0 else None
     except BaseException:
         remove_created(made)
         raise
-    if lock is not None and (root := _outside_checkpoint_root(cfg, run_dir)) is not None:
+    if lock is not None and (root := _outside_checkpoint_root(ck, run_dir)) is not None:
         # Several runs may name one absolute checkpoint.dir: one run at a time there too (and
         # a resume refuses another run's checkpoints: CheckpointManager.plan_resume).
         try:

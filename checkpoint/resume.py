@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hashing, store
+from checkpoint.config import CheckpointConfig
 from checkpoint.context import ERRORS, Context, checkpoint_root, find, first_line
 from checkpoint.health import Recent, ResumeWatch, logged_losses
 from checkpoint.planners import BlockLoadPlanner
@@ -67,7 +68,7 @@ def model_shape_mismatches(saved_yaml: str | None, current_yaml: str | None) -> 
     ]
 
 
-def resumes(cfg, run_dir: str | Path) -> bool:
+def resumes(cfg: CheckpointConfig, run_dir: str | Path) -> bool:
     """Whether `CheckpointManager.resume` will load a checkpoint (it may still refuse a damaged
     or mismatched one): checkpoint.resume is a path, or auto and this run's checkpoint
     directory holds a complete checkpoint. Filesystem only; for rank 0 to decide."""

@@ -20,6 +20,7 @@ rename wins when several runs race for it) and then creates the lock like a fres
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -137,10 +138,8 @@ class RunLock:
                 moved, _ = _read(aside)
                 if moved is not None and holder is not None and moved != holder:
                     # We moved a lock created after our look: give it back, we lost the race.
-                    try:
+                    with contextlib.suppress(OSError):
                         os.link(aside, path)
-                    except OSError:
-                        pass
                     aside.unlink(missing_ok=True)
                     continue
                 aside.unlink(missing_ok=True)
@@ -178,10 +177,8 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            try:
+            with contextlib.suppress(OSError):
                 os.utime(self.path)
-            except OSError:
-                pass
 
     def held(self) -> bool:
         holder, _ = _read(self.path)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoint import hashing
+from runtime import fsync_dir
 
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
@@ -221,14 +222,6 @@ def _trailer_mismatch(tail: bytes, want: bytes) -> str:
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(
     tmp: Path,
     *,
@@ -273,7 +266,7 @@ def write_manifest(
 def commit(tmp: Path, final: Path) -> None:
     """Make `tmp` visible as `final` with one rename. An existing `final` can only come from an
     abandoned timeline (we resumed from an older step); it is replaced."""
-    _fsync_dir(tmp)  # the file entries first, then the rename that publishes them
+    fsync_dir(tmp)  # the file entries first, then the rename that publishes them
     if final.exists():
         old = final.with_name(final.name + ".replaced" + TMP_SUFFIX)
         shutil.rmtree(old, ignore_errors=True)
@@ -282,7 +275,7 @@ def commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def read_manifest(path: Path) -> dict | None:
@@ -442,7 +435,7 @@ def write_unconfirmed(root: Path, record: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def clear_unconfirmed(root: Path) -> bool:
@@ -452,7 +445,7 @@ def clear_unconfirmed(root: Path) -> bool:
         os.unlink(root / UNCONFIRMED)
     except FileNotFoundError:
         return False
-    _fsync_dir(root)
+    fsync_dir(root)
     return True
 
 

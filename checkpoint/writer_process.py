@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -72,10 +72,8 @@ def _main(conn, rank: int, world_size: int, rendezvous) -> None:
             )
         conn.send(("ready", os.getpid()))
     except BaseException as e:
-        try:
+        with suppress(OSError):  # the trainer is gone
             conn.send(("error", _portable(e)))
-        except OSError:
-            pass  # the trainer is gone
         return
 
     from checkpoint.staging import make_views, materialize
@@ -230,10 +228,8 @@ class WriterProcess:
         if self._closed:
             return
         self._closed = True
-        try:
+        with suppress(OSError):
             self._send(None)
-        except OSError:
-            pass
         self._proc.join(60)
         if self._proc.is_alive():
             self._proc.terminate()

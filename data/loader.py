@@ -257,14 +257,8 @@ def build_loader(
     (inputs -> data.documents.Documents) with data.document_mask, else None: the documents
     of a batch are read from its own tokens, so the order and the resume position are the
     same with masking on or off."""
-    loader = _build_loader(
-        cfg,
-        tok,
-        global_batch_size=global_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        hold_out=hold_out,
-    )
+    layout = dict(global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    loader = _build_loader(cfg, tok, **layout, hold_out=hold_out)
     loader.boundaries = DocumentBoundaries(tok.bos_id, tok.eos_id) if cfg.document_mask else None
     return loader
 
@@ -285,27 +279,17 @@ def _build_loader(
         seq_len=cfg.seq_len, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size
     )
 
+    order = dict(shuffle=cfg.shuffle, shuffle_seed=cfg.shuffle_seed)
     if cfg.name == "embedded":
         with quiet_datasets():
             ds = embedded_dataset(cfg)
             tokens = pack_dataset(training_documents(ds, cfg) if hold_out else ds, tok, "text")
         if cfg.min_doc_len:
             tokens = joined_stream(tokens, tok, cfg.min_doc_len)
-        return PackedLoader(
-            tokens,
-            shuffle=cfg.shuffle,
-            shuffle_seed=cfg.shuffle_seed,
-            more_data_hint="raise data.max_bytes",
-            **layout,
-        )
+        return PackedLoader(tokens, **order, more_data_hint="raise data.max_bytes", **layout)
     if cfg.name == "synthetic":
-        return PackedLoader(
-            synthetic_tokens(cfg, tok),
-            shuffle=cfg.shuffle,
-            shuffle_seed=cfg.shuffle_seed,
-            more_data_hint="raise data.max_bytes",
-            **layout,
-        )
+        tokens = synthetic_tokens(cfg, tok)
+        return PackedLoader(tokens, **order, more_data_hint="raise data.max_bytes", **layout)
     if cfg.name != "hf":
         raise ConfigError(f"data.name={cfg.name!r} is not one of embedded, hf, synthetic")
 
@@ -318,13 +302,7 @@ def _build_loader(
         # Tokenized once into the token cache (by whichever process gets its lock; the others
         # wait) and memory-mapped: a batch copies only its rows.
         tokens, _, _ = load_tokens(cfg, ds, tok)
-        return PackedLoader(
-            tokens,
-            shuffle=cfg.shuffle,
-            shuffle_seed=cfg.shuffle_seed,
-            more_data_hint=hint,
-            **layout,
-        )
+        return PackedLoader(tokens, **order, more_data_hint=hint, **layout)
 
     if cfg.shuffle and cfg.shuffle_buffer <= 0:
         raise ConfigError(

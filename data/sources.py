@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data.config import DataConfig
-from data.tokenizer import one_line, token_dtype
-from errors import ConfigError
+from data.tokenizer import token_dtype
+from errors import ConfigError, one_line
 
 if TYPE_CHECKING:  # imported where used: `datasets` (with pandas, pyarrow) costs ~1 s to import
     import datasets

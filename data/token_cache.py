@@ -49,9 +49,9 @@ import numpy as np
 
 from data.config import DataConfig
 from data.packing import PACKING_VERSION, stream_key, token_chunks, tokenize_dataset
-from data.tokenizer import one_line, token_dtype
-from errors import ConfigError
-from runtime import host_id, host_name, pid_alive
+from data.tokenizer import token_dtype
+from errors import ConfigError, one_line
+from runtime import fsync_dir, host_id, host_name, pid_alive
 
 if TYPE_CHECKING:  # imported where used: `datasets` (with pandas, pyarrow) costs ~1 s to import
     import datasets
@@ -260,15 +260,6 @@ def _break_stale(lock: Path, content: str) -> None:
 # --- preparing -----------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _prepare(entry: CacheEntry, cfg: DataConfig, ds: datasets.Dataset, tok, log: Log) -> dict:
     """Tokenize `ds` into the entry and commit it. The caller holds the entry's lock."""
     import datasets
@@ -332,7 +323,8 @@ def _prepare(entry: CacheEntry, cfg: DataConfig, ds: datasets.Dataset, tok, log:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp_meta, entry.meta)  # the commit
-    _fsync_dir(entry.root)
+    with contextlib.suppress(OSError):
+        fsync_dir(entry.root)
     shutil.rmtree(entry.parts, ignore_errors=True)
     log(
         f"data: prepared {n:,} tokens ({len(ds):,} documents) in {seconds:.1f} s "

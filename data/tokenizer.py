@@ -12,14 +12,7 @@ import os
 import numpy as np
 
 from data.config import DataConfig
-from errors import ConfigError
-
-
-def one_line(exc: BaseException, limit: int = 200) -> str:
-    """`Type: first line of the message`, short enough for a one-line ConfigError."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+from errors import ConfigError, one_line
 
 
 class ByteTokenizer:

@@ -24,8 +24,6 @@ per-rank halves), so no tensor's global layout depends on the tensor-parallel de
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,9 +32,6 @@ from model.config import ModelConfig
 from model.loss import fused_linear_cross_entropy
 from model.rope import apply_rope, rope_freqs
 from parallel.cp import ContextShard
-
-if TYPE_CHECKING:  # the model reads documents' fields only (data/documents.py)
-    from data.documents import Documents
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,11 +196,13 @@ class Llama(nn.Module):
         self,
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
-        documents: Documents | ContextShard | None = None,
+        documents=None,
     ) -> torch.Tensor:
-        """documents: attention and RoPE positions restart at each document (a batch with no
-        boundary inside its rows is plain causal attention); or, under context parallelism,
-        this rank's parallel.cp.ContextShard of the rows (tokens and labels are its part)."""
+        """documents (data.documents.Documents: the model reads its fields only, and knows
+        nothing else of data/): attention and RoPE positions restart at each document (a batch
+        with no boundary inside its rows is plain causal attention); or, under context
+        parallelism, this rank's parallel.cp.ContextShard of the rows (tokens and labels are
+        its part)."""
         positions = mask = context = None
         if isinstance(documents, ContextShard):
             context, positions, mask = documents, documents.positions, documents.attention_mask()

@@ -1,8 +1,13 @@
-"""Bytes that parameters occupy on this rank, seeing through DTensor and quantized tensors."""
+"""Bytes that parameters occupy on this rank, seeing through DTensor and quantized tensors; the
+start-up estimates of a run's memory on a GPU and of its cost on this CPU."""
 
 from __future__ import annotations
 
 import torch
+
+from model.config import ModelConfig
+from model.flops import causal_row_flops_per_token, parameter_count
+from runtime import format_duration, host_memory_gib, matmul_rate
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -109,3 +114,73 @@ def estimate_gpu_memory(
     out = {k: v / GiB for k, v in parts.items()}
     out["total"] = sum(out.values())
     return out
+
+
+#: A training step of the reference implementation on CPU takes about this many times its
+#: FLOPs at `matmul_rate` (norms, attention, the loss, the optimizer and framework overhead
+#: around the matrix products, and matrices smaller than the probe's). Measured on 2 shared
+#: cores, one thread, load 2.2-2.6: model=tiny 0.67 s a step against 0.45 s of its FLOPs at the
+#: probe's 52 GFLOP/s (1.5x); model=small about a minute a step on 2 cores (docs/INSTALL.md)
+#: against 22 s at a 2-thread probe's ~100 GFLOP/s (2.7x). Good to a factor of 2.
+CPU_STEP_OVERHEAD = 2.0
+
+#: More fp32 FLOP/s than one core of any current CPU gives (one core of the 2-core test
+#: machine: about 52 G): a model whose step is quick even at this rate needs no measurement.
+CPU_CORE_FLOPS_MAX = 200e9
+
+#: Above this estimated time per step, a CPU run says at start what it will cost and the way out.
+SLOW_CPU_STEP_S = 5.0
+
+
+def cpu_run_estimate(
+    m: ModelConfig, train, seq: int, world_size: int, rate: float | None = None
+) -> dict[str, float]:
+    """Time per step and memory of a CPU run of model `m` on `world_size` processes (`train`:
+    the train section, config.TrainConfig, for its batch; `seq`: data.seq_len), before anything
+    is built: `step_s` = the step's training FLOPs (model/flops.py) per process at this CPU's
+    measured matmul rate x CPU_STEP_OVERHEAD; `memory_gib` per process = fp32 weights,
+    gradients and Adam's two moments (16 bytes a parameter, divided among FSDP's shards) plus
+    the micro batch's fp32 activations (the block's saved tensors, and the logits with their
+    gradient) and torch's own ~0.5 GiB."""
+    tokens = train.global_batch_size * seq / world_size
+    micro = (train.micro_batch_size or train.global_batch_size // world_size) * seq
+    rate = rate or matmul_rate()
+    step_s = causal_row_flops_per_token(m, seq) * tokens / rate * CPU_STEP_OVERHEAD
+    kv = m.n_kv_heads * m.head_dim
+    block = 4 * (6 * m.dim + 2 * kv + 3 * m.ffn_dim + 2 * m.n_heads * seq)  # per token, fp32
+    activations = micro * (m.n_layers * block + 2 * 4 * m.padded_vocab_size)
+    states = 16 * parameter_count(m) / world_size
+    memory = states + activations + 0.5 * 2**30
+    return {"step_s": step_s, "memory_gib": memory / 2**30, "rate": rate}
+
+
+def cpu_note(
+    m: ModelConfig, train, seq: int, world_size: int, threads: int, rate: float | None = None
+) -> str | None:
+    """The start-up line of a CPU run (`cpu_run_estimate`'s arguments) whose steps
+    `cpu_run_estimate` puts above SLOW_CPU_STEP_S: what a step and the whole run (train.steps)
+    will cost here, and the way out. None for a run that is quick enough (model=tiny)."""
+    tokens = train.global_batch_size * seq / world_size
+    fastest = CPU_CORE_FLOPS_MAX * threads / CPU_STEP_OVERHEAD  # no need to measure below it
+    if causal_row_flops_per_token(m, seq) * tokens / fastest < SLOW_CPU_STEP_S:
+        return None
+    est = cpu_run_estimate(m, train, seq, world_size, rate)
+    if est["step_s"] < SLOW_CPU_STEP_S:
+        return None
+    have = host_memory_gib()
+    fits = ""
+    if have:
+        fits = (
+            f", {'more' if est['memory_gib'] > have else 'less'} than this machine's {have:.0f} GiB"
+        )
+    step = format_duration(est["step_s"])
+    total = format_duration(est["step_s"] * train.steps)
+    check = "" if train.dry_run else ", to check this config train.dry_run=true"
+    return (
+        f"note: model={m.name} on this CPU: about {step} a step of "
+        f"{train.global_batch_size} x {seq} tokens ({train.steps} steps: "
+        f"about {total}) and {est['memory_gib']:.1f} GiB of memory per process{fits} (estimate "
+        f"at {threads} thread{'s' if threads > 1 else ''}, {est['rate'] / 1e9:.0f} GFLOP/s "
+        f"measured now); for a CPU run use model=tiny{check}, to train it a GPU "
+        "(docs/INSTALL.md)"
+    )

@@ -42,8 +42,6 @@ communication itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import transformer_engine.pytorch as te
 from torch import nn
@@ -54,9 +52,6 @@ from model.rope import rope_freqs
 from parallel.cp import ContextShard
 from recipes.config import RecipeConfig
 from recipes.recipe import Recipe
-
-if TYPE_CHECKING:  # the model reads documents' fields only (data/documents.py)
-    from data.documents import Documents
 
 
 def _attention_layout_hook(layer, args, kwargs):
@@ -166,13 +161,14 @@ class TELlama(nn.Module):
         self,
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
-        documents: Documents | ContextShard | None = None,
+        documents=None,
     ) -> torch.Tensor:
         """The blocks run inside the recipe's TE autocast (bf16_layers with quantization off);
         the embedding, final norm and head are plain modules and run in high precision.
-        `documents` (on this device): attention and RoPE positions restart at each document,
-        in TE's THD layout; a batch with no boundary inside its rows runs the causal path
-        (the same mask, TE's faster kernel for it)."""
+        `documents` (on this device; data.documents.Documents, whose fields are all the model
+        reads of it, or a parallel.cp.ContextShard): attention and RoPE positions restart at
+        each document, in TE's THD layout; a batch with no boundary inside its rows runs the
+        causal path (the same mask, TE's faster kernel for it)."""
         if isinstance(documents, ContextShard):
             if documents.cu_seqlens is not None:  # this cp rank's part of padded documents
                 return self._forward_thd(

@@ -1,7 +1,6 @@
 """Parallel layouts: the mesh object, FSDP2/HSDP/DDP, tensor parallel for both implementations.
 
 dims = ParallelDims(cfg.parallel, world_size)     # resolves -1, validates degrees
-dims.validate_model(cfg.model)                    # tp divides heads, ffn, vocab
 dims.build_mesh("cuda")                           # after init_process_group
 model = parallelize(model, dims, cfg.parallel, impl, mixed_precision=True)
 """

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from errors import ConfigError
-from model.config import ModelConfig
 from parallel.ac import check_mode
 from parallel.config import ParallelConfig
 
@@ -156,29 +155,6 @@ class ParallelDims:
                 f"{', '.join(GRAD_REDUCE)} (when gradients are reduced under accumulation)"
             )
         return degrees["dp_replicate"], degrees["dp_shard"], degrees["cp"], degrees["tp"]
-
-    def validate_model(self, mcfg: ModelConfig) -> None:
-        """Tensor parallelism splits heads, KV heads, FFN columns and the (padded) vocabulary."""
-        tp = self.tp
-        if tp == 1:
-            return
-        for field, value in (
-            ("n_heads", mcfg.n_heads),
-            ("n_kv_heads", mcfg.n_kv_heads),
-            ("ffn_dim", mcfg.ffn_dim),
-        ):
-            if value % tp:
-                raise ConfigError(
-                    f"model.{field}={value} is not divisible by parallel.tp={tp}; "
-                    f"pick a tp that divides it"
-                )
-        if mcfg.padded_vocab_size % tp:
-            raise ConfigError(
-                f"model padded vocabulary {mcfg.padded_vocab_size} (vocab_size="
-                f"{mcfg.vocab_size}, pad_vocab_multiple={mcfg.pad_vocab_multiple}) is not "
-                f"divisible by parallel.tp={tp}; raise model.pad_vocab_multiple to a multiple "
-                f"of {tp}"
-            )
 
     def validate_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
         """Context parallelism cuts each sequence into 2 x cp chunks; sequence parallelism

@@ -45,8 +45,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from model.config import block_weight_shapes
-
 # ---------------------------------------------------------------------------------------------
 # Collectives with the gradients Megatron-style tensor parallelism needs. Each one works on
 # gloo (CPU tests) and NCCL; gloo has no reduce-scatter or all_gather_into_tensor.
@@ -237,12 +235,15 @@ def fsdp_shard_placement(param) -> Shard | None:
     return None
 
 
-def fsdp_shard_extents(mcfg, dp_shard: int, tp: int) -> dict[str, tuple[str, int, int]]:
-    """Per quantizable weight of a block (qkv, proj, fc1, fc2): (the dim FSDP shards, as
-    "rows" or "columns"; that dim's tp-local size; the FSDP shard size), from the placements
-    above (`placement_for`) and FSDP's shard placement (`fsdp_shard_placement`)."""
+def fsdp_shard_extents(
+    shapes: dict[str, tuple[str, tuple[int, int]]], dp_shard: int, tp: int
+) -> dict[str, tuple[str, int, int]]:
+    """Per quantizable weight of a block (`shapes`: model/config.py's `block_weight_shapes`):
+    (the dim FSDP shards, as "rows" or "columns"; that dim's tp-local size; the FSDP shard
+    size), from the placements above (`placement_for`) and FSDP's shard placement
+    (`fsdp_shard_placement`)."""
     out = {}
-    for short, (name, shape) in block_weight_shapes(mcfg).items():
+    for short, (name, shape) in shapes.items():
         placement = placement_for(f"layers.0.{name}")
         local = list(shape)
         if isinstance(placement, (Shard, _StridedShard)):

@@ -36,6 +36,7 @@ from recipes.recipe import (
     ATTENTION_BORROWS_DELAYED,
     ATTENTION_REDUCE_AMAX,
     FP8_ATTENTION_RECIPES,
+    device_capability,
     sm,
 )
 
@@ -170,7 +171,7 @@ def apply_attention_environment(
 
 def cudnn_version() -> tuple[int, int, int] | None:
     """The cuDNN that TE's attention runs (TE's own report when TE imports, else torch's), as
-    (major, minor, patch); None without cuDNN. Tests monkeypatch `recipes.cudnn_version`."""
+    (major, minor, patch); None without cuDNN. Tests monkeypatch it in this module."""
     try:
         from transformer_engine.pytorch import get_cudnn_version
 
@@ -205,9 +206,7 @@ def check_fp8_attention(cfg: RecipeConfig, mcfg, data, deterministic: bool, devi
         )
     if torch.device(device).type != "cuda":
         return
-    import recipes
-
-    gpu, capability = recipes.device_capability(device)
+    gpu, capability = device_capability(device)
     capability = tuple(capability)
     if capability < (9, 0):
         raise ConfigError(
@@ -223,7 +222,7 @@ def check_fp8_attention(cfg: RecipeConfig, mcfg, data, deterministic: bool, devi
             "llama3_8b, llama3_70b) or drop recipe.fp8_attention"
         )
     if deterministic:
-        version = recipes.cudnn_version()
+        version = cudnn_version()
         if version is None or tuple(version) < DETERMINISTIC_FP8_CUDNN:
             found = "no cuDNN" if version is None else "cuDNN " + ".".join(map(str, version))
             raise ConfigError(

@@ -200,10 +200,7 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
         )
     if device.type != "cuda":
         return
-    # Looked up on the package so tests can monkeypatch recipes.device_capability / te_support.
-    import recipes
-
-    gpu, capability = recipes.device_capability(device)
+    gpu, capability = device_capability(device)
     if not recipe_runs_on(name, capability):
         runs = ", ".join(runnable_recipes(capability)) or "none of them"
         raise ConfigError(
@@ -212,7 +209,7 @@ def check_recipe(cfg: RecipeConfig, impl: str, device: torch.device) -> None:
             f"({sm(capability)}), which runs: {runs}"
         )
     if impl == "te":
-        ok, reason = recipes.te_support(name)
+        ok, reason = te_support(name)
         if not ok:
             raise ConfigError(
                 f"recipe={name} is not available on {gpu} ({sm(capability)}): {reason.strip()}"
@@ -228,8 +225,11 @@ def _weight_block(cfg: RecipeConfig) -> int:
     return {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16}[cfg.name]
 
 
-def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int, tp: int) -> None:
-    """Recipe x layout x model combinations that cannot work. Raises ConfigError.
+def check_recipe_layout(
+    cfg: RecipeConfig, shapes: dict, world_size: int, dp_shard: int, tp: int
+) -> None:
+    """Recipe x layout x model combinations that cannot work (`shapes`: the model's block
+    weights, model/config.py's `block_weight_shapes`). Raises ConfigError.
 
     All concern quantized weights that FSDP2 all-gathers as several tensors (data + block
     scales) on more than one process. FSDP2's one-rank shard mesh and the dim-1 sharding of fc1
@@ -262,7 +262,7 @@ def check_recipe_layout(cfg: RecipeConfig, mcfg, world_size: int, dp_shard: int,
             f"all-gather; use parallel.dp_shard=1 or parallel.tp=1, {fix}"
         )
     block = _weight_block(cfg)
-    for name, (axis, size, shard) in fsdp_shard_extents(mcfg, dp_shard, tp).items():
+    for name, (axis, size, shard) in fsdp_shard_extents(shapes, dp_shard, tp).items():
         if size % dp_shard or shard % block:
             raise ConfigError(
                 f"recipe={cfg.name} with recipe.quantized_init=true: FSDP2 splits the {size} "

@@ -106,6 +106,20 @@ def committed(root: Path) -> list[int]:
 SMALL = ["data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
 
 
+def small_cfg(tmp: Path, name: str, *extra: str):
+    """The root config of a SMALL CPU run `name` under `tmp`, with `extra` overrides."""
+    from config import compose_config
+
+    return compose_config(
+        [f"run.root={tmp}", f"run.name={name}", "train.device=cpu", *SMALL, *extra]
+    )
+
+
+def no_model(*args, **kwargs):
+    """train.build_training where a run must stop before it builds its model."""
+    raise AssertionError("the model was built before the run stopped")
+
+
 def two_checkpoints(run_dir: Path, **kw) -> Path:
     """Steps 2 and 4 committed; returns the checkpoint directory."""
     Run(run_dir, **kw).train(4)

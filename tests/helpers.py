@@ -18,9 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from checkpoint import TrainState, training_state
-from config import OptimConfig
 from model.config import ModelConfig
-from optim import build_scheduler
+from optim import OptimConfig, build_scheduler
 from runtime import receivers
 from steps import train_step
 

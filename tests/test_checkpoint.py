@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from checkpoint import CheckpointManager, store
-from checkpoint.config import CheckpointConfig
 from checkpoint.manager import model_shape_mismatches
 from checkpoint.state import RNGState
 from config import ConfigError
 from model.config import ModelConfig
 from model.init import init_weights
 from model.llama import Llama
+from tests.ckpt_harness import ckpt_cfg
 from tests.helpers import BATCH, MODEL, SEQ, FakeLoader, build_training, config_yaml, run_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -35,12 +35,6 @@ def plain_model(cfg: ModelConfig = MODEL, seed: int = 0) -> Llama:
     model = Llama(cfg)
     init_weights(model, cfg, seed)
     return model
-
-
-def ckpt_cfg(**kw) -> CheckpointConfig:
-    base = dict(mode="sync", interval=2, keep_last=5, resume="auto")
-    base.update(kw)
-    return CheckpointConfig(**base)
 
 
 def single_run(run_dir: Path, steps: int, *, cfg: ModelConfig = MODEL, seed_rng: int = 0, **kw):

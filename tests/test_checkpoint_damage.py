@@ -18,31 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
-from checkpoint import hashing, store
+from checkpoint import store
 from checkpoint.manager import close_open
 from errors import ConfigError
-from tests.ckpt_harness import SMALL, Run, committed, previous_hint, refused, two_checkpoints
+from tests.ckpt_harness import Run, committed, previous_hint, refused, small_cfg, two_checkpoints
+from tools.resume_guard_study import rewrite_hash, rewrite_tensor, saved_item
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def _item(ckpt: Path, fqn: str):
-    """(file, offset, length) of a tensor's record in a checkpoint."""
-    md = FileSystemReader(str(ckpt)).read_metadata()
-    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
-    return ckpt / info.relative_path, info.offset, info.length
-
-
-def _rewrite_hash(ckpt: Path, name: str) -> None:
-    """What damage that passes every check looks like: the file's manifest entry rewritten
-    to the hash of its new bytes."""
-    manifest = store.read_manifest(ckpt)
-    entry = manifest["files"][name]
-    algorithm, _ = hashing.recorded(entry)
-    entry[algorithm] = hashing.hash_file(ckpt / name, algorithm)
-    (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:
@@ -51,14 +34,6 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
         for p in sorted(run_dir.rglob("*"))
         if p.is_file()
     }
-
-
-def _compose(tmp: Path, name: str, *extra: str):
-    from config import compose_config
-
-    return compose_config(
-        [f"run.root={tmp}", f"run.name={name}", "train.device=cpu", *SMALL, *extra]
-    )
 
 
 # -- 1. a finished run asked for fewer steps ------------------------------------------------------
@@ -70,7 +45,7 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
     import train
 
     ck = ["checkpoint=sync", "checkpoint.interval=2", "checkpoint.keep_last=3"]
-    assert train.run(_compose(tmp_path, "r", "train.steps=4", *ck)) == 0
+    assert train.run(small_cfg(tmp_path, "r", "train.steps=4", *ck)) == 0
     root = tmp_path / "r" / "checkpoints"
     assert committed(root) == [2, 4]
     before = _snapshot(tmp_path / "r")
@@ -83,7 +58,7 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
     try:
         with redirect_stdout(out):
             status = train.run(
-                _compose(tmp_path, "r", "train.steps=2", "resume.accept=[train.steps]", *ck)
+                small_cfg(tmp_path, "r", "train.steps=2", "resume.accept=[train.steps]", *ck)
             )
     finally:
         close_open()
@@ -103,11 +78,11 @@ def test_finished_run_asked_for_fewer_steps_writes_nothing(tmp_path, monkeypatch
 def test_nan_adam_moment_with_rewritten_hash_is_refused_with_the_way_out(tmp_path):
     root = two_checkpoints(tmp_path)
     fqn = "optimizer.state.lm_head.weight.exp_avg"
-    path, offset, length = _item(root / "step_0000004", fqn)
+    path, offset, length = saved_item(root / "step_0000004", fqn)
     with path.open("r+b") as f:
         f.seek(offset + length // 2)
         f.write(b"\xff" * 64)  # fp32 NaNs
-    _rewrite_hash(root / "step_0000004", path.name)
+    rewrite_hash(root / "step_0000004", path.name)  # damage that passes every check
     assert store.verify(root / "step_0000004") is None  # every check passes
     line = (
         f"checkpoint {root / 'step_0000004'} holds non-finite values (nan or inf in {fqn}; its "
@@ -189,26 +164,20 @@ def trained(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("trained")
     try:
-        assert train.run(_compose(tmp, "r", "train.steps=12", *_RUN)) == 0
+        assert train.run(small_cfg(tmp, "r", "train.steps=12", *_RUN)) == 0
     finally:
         close_open()
     return tmp / "r"
 
 
-def _set_element(ckpt: Path, fqn: str, value: float, rewrite_hash: bool) -> None:
+def _set_element(ckpt: Path, fqn: str, value: float, rehash: bool) -> None:
     """Issue 46's damage: one element of a saved weight set to `value` in place (finite)."""
-    path, offset, length = _item(ckpt, fqn)
-    data = bytearray(path.read_bytes())
-    record = bytes(data[offset : offset + length])  # torch.save's (uncompressed) zip
-    tensor = torch.load(io.BytesIO(record), weights_only=True)
-    raw = tensor.numpy().tobytes()
-    at = offset + record.index(raw)
-    damaged = tensor.clone()
-    damaged.view(-1)[0] = value
-    data[at : at + len(raw)] = damaged.numpy().tobytes()
-    path.write_bytes(bytes(data))
-    if rewrite_hash:
-        _rewrite_hash(ckpt, path.name)
+
+    def first_set(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[0] = value
+        return t
+
+    rewrite_tensor(ckpt, fqn, first_set, rehash=rehash)
 
 
 def _expected_limit(losses: list[float]) -> tuple[float, float, float]:
@@ -266,7 +235,7 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
     shutil.copytree(trained, tmp_path / "r")
     root = tmp_path / "r" / "checkpoints"
     fqn = "model.layers.0.self_attention.proj.weight"
-    _set_element(root / "step_0000012", fqn, 3e4, rewrite_hash=checksum)
+    _set_element(root / "step_0000012", fqn, 3e4, rehash=checksum)
     if checksum:
         assert store.verify(root / "step_0000012") is None  # every check passes
     args = ["train.steps=20", "resume.accept=[train.steps]", *_RUN]
@@ -276,9 +245,9 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
         with redirect_stdout(out):
             if policy == "stop":
                 with pytest.raises(ConfigError) as e:
-                    train.run(_compose(tmp_path, "r", *args))
+                    train.run(small_cfg(tmp_path, "r", *args))
             else:
-                assert train.run(_compose(tmp_path, "r", *args)) == 0
+                assert train.run(small_cfg(tmp_path, "r", *args)) == 0
     finally:
         close_open()
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
@@ -320,7 +289,7 @@ def _resume(tmp: Path, *args: str, sigterm_at: int | None = None):
         train._step = sending
         with redirect_stdout(out):
             try:
-                return train.run(_compose(tmp, "r", *args)), out.getvalue()
+                return train.run(small_cfg(tmp, "r", *args)), out.getvalue()
             except ConfigError as e:
                 return e, out.getvalue()
     finally:
@@ -342,7 +311,7 @@ def uninterrupted(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("uninterrupted")
     try:
-        assert train.run(_compose(tmp, "r", "train.steps=16", *_RUN)) == 0
+        assert train.run(small_cfg(tmp, "r", "train.steps=16", *_RUN)) == 0
     finally:
         close_open()
     return [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(tmp / "r")]

@@ -20,26 +20,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import hashing, preflight, runlock, store
+from checkpoint.config import CheckpointConfig
 from errors import ConfigError, NonFiniteLossError
+from model.config import ModelConfig
 from model.flops import parameter_count
 from runtime import host_id, launch
 from tests.ckpt_harness import SMALL, Run, committed, two_checkpoints
 from tests.distributed import run_distributed
 from tests.helpers import CPU_ENV, FakeLoader
+from tools.resume_guard_study import saved_item
+
+#: model=tiny: conf/model/tiny.yaml holds the schema's defaults.
+TINY = ModelConfig()
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _item(ckpt: Path, fqn: str):
-    """(file, offset, length) of a tensor's record in a checkpoint."""
-    md = FileSystemReader(str(ckpt)).read_metadata()
-    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
-    return ckpt / info.relative_path, info.offset, info.length
 
 
 def _patch(path: Path, offset: int, new: bytes) -> None:
@@ -68,7 +66,7 @@ def _refused(run_dir: Path, **kw) -> str:
 
 def test_flipped_bytes_are_refused_and_nothing_is_removed(tmp_path):
     root = two_checkpoints(tmp_path)
-    path, offset, length = _item(root / "step_0000004", "model.lm_head.weight")
+    path, offset, length = saved_item(root / "step_0000004", "model.lm_head.weight")
     before = path.read_bytes()
     _flip(path, offset + length // 2)
     msg = _refused(tmp_path)
@@ -84,7 +82,7 @@ def test_nan_weights_loaded_without_checksums_never_commit_or_prune(tmp_path):
     are found right after the load (issue 28: named there, not as "lower optim.lr" at the
     first step); nothing is committed or pruned."""
     root = two_checkpoints(tmp_path, keep_last=2)
-    path, offset, length = _item(root / "step_0000004", "model.lm_head.weight")
+    path, offset, length = saved_item(root / "step_0000004", "model.lm_head.weight")
     _patch(path, offset + length // 2, b"\xff" * 64)  # fp32 NaNs
     msg = _refused(tmp_path, keep_last=2, checksum=False)
     assert msg == (
@@ -346,51 +344,47 @@ def test_unwritable_root_and_no_room_fail_before_the_model(tmp_path):
 def test_a_directory_that_cannot_be_created_says_so_for_root_too(tmp_path):
     """/proc lets nobody create directories; os.access lets root through, so the reason must
     come from trying (a probe, removed again), never from /proc's free space."""
-    from config import compose_config
-
     if os.geteuid() == 0:  # root: os.access says yes, mkdir says no
         reason = "creating a directory in /proc fails: No such file or directory"
     else:
         reason = "Permission denied in /proc"
-    for overrides, field, path in (
-        (["run.root=/proc/nope"], "run.root=/proc/nope", "/proc/nope/tiny-bf16-fsdp"),
-        ([f"run.root={tmp_path}", "checkpoint.dir=/proc/x"], "checkpoint.dir=/proc/x", "/proc/x"),
+    for root, ck_dir, field, path in (
+        ("/proc/nope", "checkpoints", "run.root=/proc/nope", "/proc/nope/tiny-bf16-fsdp"),
+        (str(tmp_path), "/proc/x", "checkpoint.dir=/proc/x", "/proc/x"),
     ):
-        cfg = compose_config([*overrides, "checkpoint=sync"])
+        ck = CheckpointConfig(mode="sync", dir=ck_dir)
         with pytest.raises(ConfigError) as e:
-            preflight.check_run_dir(cfg, 1)
+            preflight.check_run_dir(root, "tiny-bf16-fsdp", ck, TINY, False, 1)
         assert str(e.value) == (
             f"{field}: cannot write to {path} ({reason}); choose a writable directory"
         )
     assert not any(tmp_path.iterdir())  # the probes are gone, no run directory was made
-    cfg = compose_config([f"run.root={tmp_path}", "checkpoint=sync"])
-    preflight.check_run_dir(cfg, 1)  # a writable one passes, and leaves nothing either
-    assert not any(tmp_path.iterdir())
+    sync = CheckpointConfig(mode="sync")
+    preflight.check_run_dir(str(tmp_path), "tiny-bf16-fsdp", sync, TINY, False, 1)  # passes,
+    assert not any(tmp_path.iterdir())  # and leaves nothing either
 
 
 def test_preflight_checks_space_and_host_memory(tmp_path, monkeypatch):
-    from config import compose_config
-
-    cfg = compose_config([f"run.root={tmp_path}", "run.name=p", "checkpoint=async"])
-    need = preflight.estimate_checkpoint_bytes(cfg.model)
-    assert need == parameter_count(cfg.model) * 12
+    run_dir_args = (str(tmp_path), "p", CheckpointConfig(mode="async"), TINY, False)
+    need = preflight.estimate_checkpoint_bytes(TINY)
+    assert need == parameter_count(TINY) * 12
     free = [0]
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, free[0]))
     # keep_last (2) checkpoints kept while the next one is written: room for 3 is needed.
     free[0] = 3 * need - 1
     with pytest.raises(ConfigError) as e:
-        preflight.prepare_run_dir(cfg, 0, 1)
+        preflight.prepare_run_dir(*run_dir_args, 0, 1)
     assert str(e.value) == (
         f"checkpoint.dir=checkpoints: {tmp_path / 'p' / 'checkpoints'} has "
         f"{preflight.format_bytes(3 * need - 1)} free, 3 more checkpoints of model tiny need "
         f"about {preflight.format_bytes(3 * need)} ({preflight.format_bytes(need)} each: "
-        f"{parameter_count(cfg.model) / 1e6:.1f}M parameters x 12 bytes; "
+        f"{parameter_count(TINY) / 1e6:.1f}M parameters x 12 bytes; "
         "checkpoint.keep_last=2 kept plus the one being written); free space, lower "
         "checkpoint.keep_last or point checkpoint.dir to a larger filesystem"
     )
     assert "MiB" in str(e.value) and "0.0 GiB" not in str(e.value)  # the tiny model: ~13 MiB
     free[0] = 3 * need
-    _, lock = preflight.prepare_run_dir(cfg, 0, 1)
+    _, lock = preflight.prepare_run_dir(*run_dir_args, 0, 1)
     lock.release()
     # Checkpoints already there take no more room: with two of them, room for one more will do.
     for step in (2, 4):
@@ -399,9 +393,9 @@ def test_preflight_checks_space_and_host_memory(tmp_path, monkeypatch):
         (d / store.MANIFEST).write_text("{}")
     free[0] = need - 1
     with pytest.raises(ConfigError, match=r" free, 1 more checkpoint of model tiny needs about"):
-        preflight.prepare_run_dir(cfg, 0, 1)
+        preflight.prepare_run_dir(*run_dir_args, 0, 1)
     free[0] = need
-    _, lock = preflight.prepare_run_dir(cfg, 0, 1)
+    _, lock = preflight.prepare_run_dir(*run_dir_args, 0, 1)
     lock.release()
     monkeypatch.undo()
     assert [preflight.format_bytes(n) for n in (0, 1023, 1024, 5 * 2**20, 3 * 2**30)] == [
@@ -413,9 +407,9 @@ def test_preflight_checks_space_and_host_memory(tmp_path, monkeypatch):
     ]
     monkeypatch.setattr(preflight.staging, "host_memory_available", lambda: need // 2)
     with pytest.raises(ConfigError, match="staging this node's share of a checkpoint needs"):
-        preflight.prepare_run_dir(cfg, 0, 1)
+        preflight.prepare_run_dir(*run_dir_args, 0, 1)
     monkeypatch.undo()
-    run_dir, lock = preflight.prepare_run_dir(cfg, 0, 1)
+    run_dir, lock = preflight.prepare_run_dir(*run_dir_args, 0, 1)
     assert run_dir == tmp_path / "p" and lock.held()
     lock.release()
     assert not (run_dir / runlock.LOCK_NAME).exists()

@@ -27,7 +27,16 @@ from checkpoint.manager import close_open
 from checkpoint.writer_process import WriterProcess
 from errors import ConfigError
 from runtime import host_id
-from tests.ckpt_harness import SMALL, Run, committed, previous_hint, refused, two_checkpoints
+from tests.ckpt_harness import (
+    SMALL,
+    Run,
+    committed,
+    no_model,
+    previous_hint,
+    refused,
+    small_cfg,
+    two_checkpoints,
+)
 from tests.distributed import run_distributed
 from tests.helpers import CPU_ENV
 
@@ -384,30 +393,19 @@ def test_read_only_filesystem_mid_run_is_one_line(tmp_path):
 # -- a checkpoint.dir shared by two runs ----------------------------------------------------------
 
 
-def _compose(tmp: Path, name: str, *extra: str):
-    from config import compose_config
-
-    return compose_config(
-        [f"run.root={tmp}", f"run.name={name}", "train.device=cpu", *SMALL, *extra]
-    )
-
-
 def test_shared_checkpoint_dir_is_locked_and_not_resumed_by_another_run(tmp_path, monkeypatch):
     import train
 
     shared = tmp_path / "shared-ckpts"
     ck = [f"checkpoint.dir={shared}", "checkpoint=sync", "checkpoint.interval=2"]
-    assert train.run(_compose(tmp_path, "a", "train.steps=2", *ck)) == 0
+    assert train.run(small_cfg(tmp_path, "a", "train.steps=2", *ck)) == 0
     assert committed(shared) == [2]
 
     # Run b, after a: refused before its model is built, a's checkpoint untouched.
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the refusal")
-
     monkeypatch.setattr(train, "build_training", no_model)
     try:
         with pytest.raises(ConfigError) as e:
-            train.run(_compose(tmp_path, "b", "train.steps=4", *ck))
+            train.run(small_cfg(tmp_path, "b", "train.steps=4", *ck))
     finally:
         close_open()  # train.main's finally: the locks go back
     assert str(e.value) == (
@@ -424,7 +422,7 @@ def test_shared_checkpoint_dir_is_locked_and_not_resumed_by_another_run(tmp_path
             json.dumps({"host": host_id(), "pid": alive.pid, "started": time.time(), "token": "t"})
         )
         with pytest.raises(ConfigError) as e:
-            preflight.prepare_run_dir(_compose(tmp_path, "b", *ck), 0, 1)
+            preflight.prepare_run_dir(*train.run_dir_args(small_cfg(tmp_path, "b", *ck)), 0, 1)
         assert str(e.value).startswith(
             f"checkpoint.dir={shared} ({shared}, outside the run directory) is in use by another "
             f"run (host "
@@ -442,12 +440,9 @@ def test_resume_refusals_come_before_the_model_is_built(tmp_path, monkeypatch):
     import train
 
     ck = ["checkpoint=sync", "checkpoint.interval=2"]
-    assert train.run(_compose(tmp_path, "r", "train.steps=2", *ck)) == 0
+    assert train.run(small_cfg(tmp_path, "r", "train.steps=2", *ck)) == 0
     root = tmp_path / "r" / "checkpoints"
     before = sorted(p.name for p in root.iterdir())
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the refusal")
 
     monkeypatch.setattr(train, "build_training", no_model)
     refusals = {
@@ -463,7 +458,7 @@ def test_resume_refusals_come_before_the_model_is_built(tmp_path, monkeypatch):
     for override, line in refusals.items():
         try:
             with pytest.raises(ConfigError) as e:
-                train.run(_compose(tmp_path, "r", "train.steps=4", *ck, override))
+                train.run(small_cfg(tmp_path, "r", "train.steps=4", *ck, override))
         finally:
             close_open()  # train.main's finally: the lock goes back
         assert str(e.value).startswith(line), str(e.value)
@@ -476,9 +471,9 @@ def test_corpus_of_another_python_is_refused_before_the_model(tmp_path, monkeypa
     from data.sources import corpus_fingerprint
 
     ck = ["checkpoint=sync", "checkpoint.interval=2", "optim.schedule_steps=4"]
-    assert train.run(_compose(tmp_path, "c", "train.steps=2", *ck)) == 0
+    assert train.run(small_cfg(tmp_path, "c", "train.steps=2", *ck)) == 0
     root = tmp_path / "c" / "checkpoints"
-    mine = corpus_fingerprint(_compose(tmp_path, "c").data)
+    mine = corpus_fingerprint(small_cfg(tmp_path, "c").data)
     assert mine.startswith("data=embedded from Python 3.") and " files, sha256 " in mine
     assert store.read_manifest(root / "step_0000002")["corpus"] == mine
 
@@ -488,7 +483,7 @@ def test_corpus_of_another_python_is_refused_before_the_model(tmp_path, monkeypa
     real = train.build_training
     monkeypatch.setattr(train, "build_training", lambda *a, **k: built.append(1) or real(*a, **k))
     with pytest.raises(ConfigError) as e:
-        train.run(_compose(tmp_path, "c", "train.steps=4", *ck))
+        train.run(small_cfg(tmp_path, "c", "train.steps=4", *ck))
     close_open()
     assert str(e.value) == (
         f"checkpoint {root / 'step_0000002'} was trained on another corpus ({mine}; this run's "
@@ -499,7 +494,9 @@ def test_corpus_of_another_python_is_refused_before_the_model(tmp_path, monkeypa
     assert not built
     out = io.StringIO()
     with redirect_stdout(out):
-        assert train.run(_compose(tmp_path, "c", "train.steps=4", *ck, "resume.accept=[data]")) == 0
+        assert (
+            train.run(small_cfg(tmp_path, "c", "train.steps=4", *ck, "resume.accept=[data]")) == 0
+        )
     assert (
         f"checkpoint: corpus: {mine} in checkpoint {root / 'step_0000002'}, {other} now; "
         "continuing on the new one (resume.accept)"
@@ -548,7 +545,7 @@ def _stop_one_rank(rank, world_size, tmp):
         return out
 
     train.train_step = step_then_signal
-    cfg = _compose(
+    cfg = small_cfg(
         tmp,
         "stop",
         "train.steps=20",
@@ -572,12 +569,9 @@ def _stop_one_rank(rank, world_size, tmp):
     train.train_step = real
 
     # The requeued run: a changed config is refused on both ranks before either builds a model.
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the refusal")
-
     real_build, train.build_training = train.build_training, no_model
     try:
-        train.run(_compose(tmp, "stop", "train.steps=20", "train.log_every=2", "optim.lr=0.01"))
+        train.run(small_cfg(tmp, "stop", "train.steps=20", "train.log_every=2", "optim.lr=0.01"))
     except ConfigError as e:
         assert str(e).startswith(
             f"resume: {tmp / 'stop'} has a checkpoint (step 4) of another config: "
@@ -591,7 +585,7 @@ def _stop_one_rank(rank, world_size, tmp):
     # ... and the same config resumes on both ranks (the weights checked finite on each).
     assert (
         train.run(
-            _compose(tmp, "stop", "train.steps=6", "optim.schedule_steps=20", "train.log_every=2")
+            small_cfg(tmp, "stop", "train.steps=6", "optim.schedule_steps=20", "train.log_every=2")
         )
         == 0
     )

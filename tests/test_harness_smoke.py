@@ -17,7 +17,7 @@ instead of a GPU call later (issue #46: kill_save.py patched a method that had m
 Elsewhere: matrix.py, resume.py (test_harness.py), multitier.py (test_multitier.py),
 slow_commit.py (test_ctrl_c.py), bench_checkpoint.py (test_checkpoint_async.py), benchlib.py,
 compare_runs.py, convert_hf.py (test_hf_io.py), deps_met.py, index_reachable.py, cpu_torch.py
-(test_makefile.py),
+(test_makefile.py), lint_imports.py (test_import_layers.py),
 prepare_data.py (test_data_cache.py), two_node.py (test_slurm.py), paced.py
 (test_slurm_real.py), sample.py, trace_summary.py, resume_guard_study.py (their test files).
 """
@@ -60,10 +60,6 @@ def cpu_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def table_of(tmp_path: Path, parts: list[str], *rows_files: Path, capsys) -> tuple[int, str]:
     """suite.sh's last multitier step: the table of `rows_files`, and its exit status."""
     capsys.readouterr()
@@ -84,7 +80,7 @@ def test_kill_save_kill9_mid_async_save_then_exact_resume(tmp_path, cpu_env, cap
     args = ["--root", str(tmp_path / "k"), "--interval", "2"]
     run = [*TINY, f"data.seq_len={SEQ}", f"train.global_batch_size={BATCH}"]
     status = kill_save.main([*args, "--jsonl", str(out), "--", *run])
-    rows = read_jsonl(out)
+    rows = read_metrics(out)
     assert status == 0, rows
     assert [r["result"] for r in rows] == ["passed"] * 4, rows
     killed, _, resumed, losses = (r["detail"] for r in rows)
@@ -128,7 +124,7 @@ def test_parity_and_ac_layouts_on_cpu(tmp_path, capsys):
     assert curve["ok"] and curve["reference"] == parity["reference"]["bf16+docs"], curve
     assert len(curve["losses"]) == 2 and curve["max_rel"] < 1e-5, curve
 
-    ac = read_jsonl(tmp_path / "ac.jsonl")
+    ac = read_metrics(tmp_path / "ac.jsonl")
     modes = ["none", "full", "mlp", "selective", "full /2"]
     assert [(r["layout"], r["mode"]) for r in ac] == [("fsdp_tp", m) for m in modes]
     for r in ac:  # recomputation changes what is kept, not what is computed
@@ -190,7 +186,7 @@ def test_reshard_chain_rows(tmp_path, monkeypatch):
         ("D4", 4, "fsdp", "fp8_cs"),
         ("C1", 1, "fsdp", "fp8_cs"),
     ]
-    rows = {r["case"].removeprefix("fp8_cs: "): r for r in read_jsonl(out)}
+    rows = {r["case"].removeprefix("fp8_cs: "): r for r in read_metrics(out)}
     assert {case: r["result"] for case, r in rows.items()} == {
         "4 procs vs 1, uninterrupted (no checkpoint; scale of the tolerance)": "passed",
         "saved on 4, resumed on 2 at step 10": "passed",
@@ -268,7 +264,7 @@ def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys, request):
     out = tmp_path / "step.json"
     argv = ["--case", f"tiny:fsdp:bf16:full:{BATCH}", "--seq", str(SEQ), "--steps", "2"]
     assert bench_step.main([*argv, "--warmup", "1", "--json", str(out), *TINY]) == 0
-    (rec,) = read_jsonl(out)
+    (rec,) = read_metrics(out)
     assert rec["ac"] == "full" and rec["steps_measured"] == 1 and rec["tokens_per_s_per_gpu"] > 0
     text = capsys.readouterr().out
     assert f"| tiny | fsdp | 1 | bf16 | full | {BATCH} |" in text
@@ -293,7 +289,7 @@ def test_train_py_tools_on_the_tiny_model(tmp_path, cpu_env, capsys, request):
         [*argv, "--out", str(tmp_path / "det"), "--json", str(out), "--", *TINY]
     )
     assert status == 0
-    (result,) = read_jsonl(out)
+    (result,) = read_metrics(out)
     (det,) = result["rows"]
     assert det["deterministic"] and det["a_equals_b"] is None and set(det["loss_a"]) == {"1", "2"}
     assert (tmp_path / "det" / "bf16-det-a" / "checkpoints" / "step_0000001").is_dir()

@@ -54,10 +54,17 @@ def tiny_cfg(tied: bool) -> ModelConfig:
     )
 
 
-def hf_model(cfg: ModelConfig) -> LlamaForCausalLM:
+def hf_model(cfg: ModelConfig, random_norms: bool = False) -> LlamaForCausalLM:
+    """random_norms: norm weights drawn around one (HF makes them ones), so that a swapped
+    norm shows in the logits."""
     conf = hf_config(cfg)
     conf._attn_implementation = "eager"
-    return LlamaForCausalLM(conf).float().eval()
+    model = LlamaForCausalLM(conf).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if random_norms and "norm" in name:
+                p.normal_(1.0, 0.1)
+    return model
 
 
 def ours_model(cfg: ModelConfig, seed: int = 0) -> Llama:
@@ -113,11 +120,7 @@ def test_ours_to_hf_logits_match(tied):
 def test_hf_to_ours_logits_match(tied):
     cfg = tiny_cfg(tied)
     torch.manual_seed(2)
-    hf = hf_model(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
+    hf = hf_model(cfg, random_norms=True)
     hf_sd = hf.state_dict()
     ours = Llama(cfg).eval()
     result = ours.load_state_dict(from_hf_state_dict(hf_sd, cfg), strict=True)
@@ -311,11 +314,7 @@ def test_load_hf_weights_from_save_pretrained(tmp_path, tied):
 
     cfg = tiny_cfg(tied)
     torch.manual_seed(6)
-    hf = hf_model(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
+    hf = hf_model(cfg, random_norms=True)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     ours = Llama(cfg)

@@ -145,6 +145,7 @@ def _layouts_worker(rank, world_size, folder, out_path):
 
     import compat
     from checkpoint.hf import load_hf_weights, read_hf_config
+    from config import validate_tp_split
     from model.config import ModelConfig
     from model.hf import from_hf_state_dict, model_config_for_hf
     from model.llama import Llama
@@ -167,7 +168,7 @@ def _layouts_worker(rank, world_size, folder, out_path):
         for layout, kw in LAYOUTS.items():
             pcfg = ParallelConfig(**kw)
             dims = ParallelDims(pcfg, world_size)
-            dims.validate_model(cfg)
+            validate_tp_split(cfg, dims.tp)
             dims.build_mesh("cpu")
             with torch.device("meta"):
                 if impl == "te":

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from config import ConfigError, compose_config
+from config import ConfigError, compose_config, validate_tp_split
 from model.config import ModelConfig
 from model.llama import Llama
 from parallel import ParallelConfig, ParallelDims, parallelize
@@ -30,7 +30,7 @@ def fails(pcfg: ParallelConfig, world: int, *fields: str, mcfg: ModelConfig | No
     with pytest.raises(ConfigError) as e:
         dims = ParallelDims(pcfg, world)
         if mcfg is not None:
-            dims.validate_model(mcfg)
+            validate_tp_split(mcfg, dims.tp)
     msg = str(e.value)
     assert "\n" not in msg, msg
     for f in fields:
@@ -85,7 +85,9 @@ def test_heads_not_divisible_by_tp():
         "pad_vocab_multiple",
         mcfg=ModelConfig(n_heads=8, n_kv_heads=8, pad_vocab_multiple=4),
     )
-    ParallelDims(ParallelConfig(name="tp", dp_shard=1, tp=2), 2).validate_model(ModelConfig())
+    validate_tp_split(
+        ModelConfig(), ParallelDims(ParallelConfig(name="tp", dp_shard=1, tp=2), 2).tp
+    )
 
 
 def test_sequence_parallel_needs_divisible_seq_len():

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from config import validate_tp_split
 from data.documents import DocumentBoundaries
 from model.config import ModelConfig
 from model.init import full_init_value, init_weights
@@ -156,7 +157,7 @@ def build_parallel(cfg, pcfg, impl, world_size):
     """Mesh + model built, parallelized and initialized the way train.py does it (the TE path
     uses the CPU mock of TELlama); checks the gathered weights equal the 1-process init."""
     dims = ParallelDims(pcfg, world_size)
-    dims.validate_model(cfg)
+    validate_tp_split(cfg, dims.tp)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         if impl == "te":

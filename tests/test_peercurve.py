@@ -23,9 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from config import OptimConfig
 from data.loader import PackedLoader
-from optim import build_scheduler, lr_lambda
+from optim import OptimConfig, build_scheduler, lr_lambda
 from runlog import load_run
 from tools import compare_runs, tt_metrics, tt_peercurve
 from tools.tt_peercurve import SameOrderDataset, pack_documents, rank_sample_ids

@@ -60,7 +60,8 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
-    monkeypatch.setattr(recipes, "device_capability", lambda device: (name, capability))
+    for module in (recipes.recipe, recipes.attention):  # check_recipe, check_fp8_attention
+        monkeypatch.setattr(module, "device_capability", lambda device: (name, capability))
 
 
 def error_of(cfg: RecipeConfig, impl: str = "te", device: torch.device = CUDA) -> str:
@@ -138,7 +139,7 @@ def test_runnable_gpu_recipes_pass(monkeypatch):
 def test_te_own_verdict_is_reported(monkeypatch):
     fake_gpu(monkeypatch, H100, (9, 0))
     monkeypatch.setattr(
-        recipes,
+        recipes.recipe,
         "te_support",
         lambda name: (
             False,
@@ -779,9 +780,11 @@ def test_block_scaled_quantized_weights_on_every_layout():
     """fp8_block quantized weights run on every 4-process layout (compat/fsdp2.py handles FSDP2's
     one-rank mesh and fc1's dim-1 shards); MXFP8 / NVFP4 are refused only where FSDP shards
     fc1 along dim 1; shards that split a scale block are refused with the weight named."""
+    from model.config import block_weight_shapes
     from recipes import check_recipe_layout
 
-    mcfg = ModelConfig(dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536)  # the GPU matrix model
+    # The GPU matrix model's block weights.
+    mcfg = block_weight_shapes(ModelConfig(dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536))
     layouts = {
         "ddp": (1, 1),
         "fsdp": (4, 1),
@@ -808,7 +811,7 @@ def test_block_scaled_quantized_weights_on_every_layout():
 
     # tiny: proj has 128 rows, 64 per shard on 2 ranks: half a 128x128 FP8 block, a whole
     # 32-wide MXFP8 block.
-    tiny = compose_config(["model=tiny"]).model
+    tiny = block_weight_shapes(compose_config(["model=tiny"]).model)
     block = RecipeConfig(name="fp8_block", quantized_init=True)
     with pytest.raises(ConfigError) as err:
         check_recipe_layout(block, tiny, 2, dp_shard=2, tp=1)
@@ -1071,15 +1074,15 @@ def test_fp8_attention_refusals(monkeypatch):
     )
     # Deterministic FP8 attention backward: cuDNN >= 9.19.
     fake_gpu(monkeypatch, H100, (9, 0))
-    monkeypatch.setattr(recipes, "cudnn_version", lambda: (9, 10, 2))
+    monkeypatch.setattr(recipes.attention, "cudnn_version", lambda: (9, 10, 2))
     assert attention_error(CS_ATTENTION, deterministic=True) == (
         "train.deterministic=true with recipe.fp8_attention=true needs cuDNN >= 9.19 (TE 2.20 "
         "has no deterministic FP8 attention backward before it); this run has cuDNN 9.10.2: set "
         "train.deterministic=false, drop recipe.fp8_attention, or install cuDNN >= 9.19"
     )
-    monkeypatch.setattr(recipes, "cudnn_version", lambda: None)
+    monkeypatch.setattr(recipes.attention, "cudnn_version", lambda: None)
     assert "this run has no cuDNN:" in attention_error(CS_ATTENTION, deterministic=True)
-    monkeypatch.setattr(recipes, "cudnn_version", lambda: (9, 19, 0))
+    monkeypatch.setattr(recipes.attention, "cudnn_version", lambda: (9, 19, 0))
     check_fp8_attention(CS_ATTENTION, MODEL_128, causal, True, CUDA)
     # On CPU the recipe itself is refused first (check_recipe); nothing asks the device here.
     check_fp8_attention(CS_ATTENTION, MODEL_64, causal, True, CPU)

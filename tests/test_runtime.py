@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from config import TrainConfig
 from errors import ConfigError
+from model.memory import cpu_note, cpu_run_estimate
 from runlog import read_metrics
 from runtime import (
     NCCL_HIGH_PRIORITY_ENV,
     GcSchedule,
     apply_nccl_priority,
     check_determinism,
-    cpu_note,
-    cpu_run_estimate,
     cpu_threads,
     launch,
 )
@@ -156,18 +156,24 @@ def test_cpu_threads_from_the_idle_cores():
     assert cpu_threads({"OMP_NUM_THREADS": "0"}, cores=2, load=0)[0] == 2
 
 
+def model_section(name: str):
+    """conf/model/<name>.yaml's ModelConfig (the default run's train section: TrainConfig(),
+    its data.seq_len: 256)."""
+    from config import compose_config
+
+    return compose_config([f"model={name}"]).model
+
+
 def test_cpu_estimate_against_the_measured_runs():
     """The estimate against what was measured on 2 cores: model=tiny 0.67 s a step at a
     52 GFLOP/s probe (0.82 GiB peak RSS), model=small about a minute a step (5 GB); only models
     above SLOW_CPU_STEP_S get the start-up note."""
-    from config import compose_config
-
-    tiny = cpu_run_estimate(compose_config(), 1, rate=52e9)
+    tiny = cpu_run_estimate(model_section("tiny"), TrainConfig(), 256, 1, rate=52e9)
     assert 0.67 / 2 < tiny["step_s"] < 0.67 * 2 and 0.82 / 2 < tiny["memory_gib"] < 0.82 * 2
-    small = cpu_run_estimate(compose_config(["model=small"]), 1, rate=52e9)
+    small = cpu_run_estimate(model_section("small"), TrainConfig(), 256, 1, rate=52e9)
     assert 30 < small["step_s"] < 180 and 2.5 < small["memory_gib"] < 10
-    assert cpu_note(compose_config(), 1, 1, rate=52e9) is None
-    assert cpu_note(compose_config(["model=small"]), 1, 1, rate=52e9).startswith(
+    assert cpu_note(model_section("tiny"), TrainConfig(), 256, 1, 1, rate=52e9) is None
+    assert cpu_note(model_section("small"), TrainConfig(), 256, 1, 1, rate=52e9).startswith(
         "note: model=small on this CPU: about 1m"
     )
 
@@ -176,9 +182,8 @@ def test_a_model_too_big_for_the_cpu_says_so_unless_refused(tmp_path):
     """model=llama3_1b on CPU: the dry run gives the estimate and the way out first, before the
     model is built (and does not suggest itself). A run refused by a check, here the run
     directory's, prints its error line alone."""
-    from config import compose_config
-
-    memory = cpu_run_estimate(compose_config(["model=llama3_1b"]), 1, rate=1.0)["memory_gib"]
+    memory = cpu_run_estimate(model_section("llama3_1b"), TrainConfig(), 256, 1, rate=1.0)
+    memory = memory["memory_gib"]
     note = re.compile(
         r"note: model=llama3_1b on this CPU: about \S+ a step of 16 x 256 tokens \(300 steps: "
         rf"about \S+\) and {memory:.1f} GiB of memory per process, (more|less) than this "

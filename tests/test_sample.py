@@ -72,39 +72,33 @@ def test_sampling_is_a_function_of_the_seed(trained):
     )
 
 
+def sample(*args, env=None) -> subprocess.CompletedProcess:
+    """`python tools/sample.py ARGS` from the repository root, its output captured."""
+    cmd = [sys.executable, "tools/sample.py", *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+
+
 @pytest.mark.slow
 def test_command_line(trained):
     run, export = trained
     args = ["--prompt", "class ", "--max-new-tokens", "30", "--temperature", "0.9"]
-    cmd = [sys.executable, "tools/sample.py", str(run), *args, "--top-k", "20", "--seed", "1"]
+    cmd = [run, *args, "--top-k", "20", "--seed", "1"]
     cpu = {**os.environ, **CPU_ENV}
-    a = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=cpu)
-    b = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=cpu)
+    a = sample(*cmd, env=cpu)
+    b = sample(*cmd, env=cpu)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout.startswith("class ")
     assert "rope_parameters" not in a.stderr
     assert a.stderr.startswith(f"sample: checkpoint {run}/checkpoints/step_0000030, ")
     # The defaults sample (temperature 0.8, top-k 20, seed 0): what those flags give.
-    plain = [sys.executable, "tools/sample.py", str(run), "--prompt", "class "]
+    plain = [run, "--prompt", "class "]
     flags = ["--max-new-tokens", "30", "--temperature", "0.8", "--top-k", "20", "--seed", "0"]
-    d = subprocess.run(
-        [*plain, "--max-new-tokens", "30"], cwd=ROOT, capture_output=True, text=True, env=cpu
-    )
-    f = subprocess.run([*plain, *flags], cwd=ROOT, capture_output=True, text=True, env=cpu)
+    d = sample(*plain, "--max-new-tokens", "30", env=cpu)
+    f = sample(*plain, *flags, env=cpu)
     assert d.returncode == 0 and d.stdout == f.stdout, d.stderr
     assert "(temperature 0.8, top-k 20, seed 0)" in d.stderr, d.stderr
-    bad = subprocess.run(
-        [sys.executable, "tools/sample.py", str(run.parent / "nope")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    bad = sample(run.parent / "nope")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert bad.stderr.startswith(f"error: {run.parent / 'nope'} does not exist; pass a run")
-    e = subprocess.run(
-        [sys.executable, "tools/sample.py", str(export), "--prompt", "x", "--max-new-tokens", "5"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    e = sample(export, "--prompt", "x", "--max-new-tokens", "5")
     assert e.returncode == 0 and "rope_parameters" not in e.stderr, e.stderr

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from runlog import read_metrics
+from runtime import stat_fields
 from tests.distributed import free_port
 from tests.helpers import LAUNCHED_RUN, forwarded_receivers
 
@@ -89,15 +90,15 @@ def sbatch_env(env, job_id: int, restart: int = 0):
     )
 
 
-def run_batch(env, *overrides, timeout=300):
-    r = subprocess.run(
-        ["bash", "slurm/train.sbatch", *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+def bash(script: str, *args: str, env: dict, timeout: float | None = 300):
+    """`bash <script> ARGS` from the repository root, its output captured."""
+    return subprocess.run(
+        ["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_batch(env, *overrides, timeout=300):
+    r = bash("slurm/train.sbatch", *overrides, env=env, timeout=timeout)
     return r.returncode, r.stdout + r.stderr
 
 
@@ -107,12 +108,9 @@ def records(run_dir: Path) -> list[dict]:
 
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for proc in Path("/proc").glob("[0-9]*"):
+        if fields := stat_fields(int(proc.name)):
+            children.setdefault(int(fields[1]), []).append(int(proc.name))
     found, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])
@@ -124,14 +122,7 @@ def descendants(pid: int) -> list[int]:
 def test_chain_submits_dependent_jobs(slurm_env, tmp_path):
     env, calls = slurm_env
     env = dict(env, SBATCH_ARGS="--nodes=2 --time=1:00:00")
-    r = subprocess.run(
-        ["bash", "slurm/chain.sh", "3", "model=tiny", "data.path=a b"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = bash("slurm/chain.sh", "3", "model=tiny", "data.path=a b", env=env, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "submitted: 101 102 103" in r.stdout
     jobs = [job.strip("\n").split("\n") for job in calls.read_text().split("--END--\n")[:-1]]
@@ -152,14 +143,7 @@ def test_chain_submits_dependent_jobs(slurm_env, tmp_path):
     ]
     assert jobs[2][1] == "--dependency=afterany:102"
 
-    bad = subprocess.run(
-        ["bash", "slurm/chain.sh", "zero"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = bash("slurm/chain.sh", "zero", env=env, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 
@@ -169,12 +153,10 @@ def test_sweep_submits_one_array_with_its_options(slurm_env, tmp_path):
     env, calls = slurm_env
     runs = tmp_path / "runs"
     sweep = ["optim.lr=1e-3,3e-3", *TRAIN, f"run.root={runs}"]
-    r = subprocess.run(
-        ["bash", "slurm/sweep.sh", *sweep],
-        cwd=ROOT,
+    r = bash(
+        "slurm/sweep.sh",
+        *sweep,
         env=dict(env, SBATCH_ARGS="--time=1:00:00", SWEEP_PARALLEL="1"),
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -228,13 +210,8 @@ def compose(overrides: list[str]):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_examples_submit_a_preset_that_composes(slurm_env, recipe):
     env, calls = slurm_env
-    r = subprocess.run(
-        ["bash", f"slurm/examples/{recipe}.sh", "train.log_every=5"],
-        cwd=ROOT,
-        env=dict(env, NODES="2"),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    r = bash(
+        f"slurm/examples/{recipe}.sh", "train.log_every=5", env=dict(env, NODES="2"), timeout=60
     )
     assert r.returncode == 0, r.stdout + r.stderr
     args = calls.read_text().split("\n")[:-2]  # drop --END-- and the final newline
@@ -275,6 +252,7 @@ def test_presets_budget_and_groups(preset, model, seq_len):
 def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nodes):
     """The long-context presets compose, pass the config and mesh checks on 1-4 nodes of 8
     GPUs, and spend their token budget."""
+    from config import validate_tp_split
     from parallel import ParallelDims
 
     cfg, validate_batch = compose([f"experiment={preset}"])
@@ -283,7 +261,7 @@ def test_long_context_presets_resolve_on_their_machines(preset, seq_len, cp, nod
     assert cfg.train.steps * cfg.train.global_batch_size * seq_len == cfg.experiment["token_budget"]
     for n in nodes:
         dims = ParallelDims(cfg.parallel, 8 * n)
-        dims.validate_model(cfg.model)
+        validate_tp_split(cfg.model, dims.tp)
         dims.validate_seq_len(seq_len)
         validate_batch(cfg, dims.dp_size)
 
@@ -307,14 +285,7 @@ def test_dry_run_prints_the_launch_outside_slurm(tmp_path):
     root = tmp_path / "runs"
     overrides = ["model=tiny", "train.steps=5", f"run.root={root}"]
     env = _outside_slurm(tmp_path, DRY_RUN="1", NODES="2", GPUS_PER_NODE="4", RDZV_PORT="29511")
-    r = subprocess.run(
-        ["bash", "slurm/train.sbatch", *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = bash("slurm/train.sbatch", *overrides, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
     lines = r.stdout.splitlines()
@@ -338,34 +309,14 @@ def test_dry_run_prints_the_launch_outside_slurm(tmp_path):
 
     # The defaults of this script (one node, 8 GPUs), and a wrong override: one line, status 2.
     env = _outside_slurm(tmp_path, DRY_RUN="1")
-    r = subprocess.run(
-        ["bash", "slurm/train.sbatch", f"run.root={root}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = bash("slurm/train.sbatch", f"run.root={root}", env=env, timeout=300)
     assert r.returncode == 0 and "nodes: 1 (" in r.stdout and "trainers: 8" in r.stdout
-    r = subprocess.run(
-        ["bash", "slurm/train.sbatch", "modle=small"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = bash("slurm/train.sbatch", "modle=small", env=env, timeout=300)
     assert r.returncode == 2 and r.stdout == "", r.stdout
     assert r.stderr.startswith("error: modle: no such config group or key")
     assert len(r.stderr.strip().splitlines()) == 1
     # Without DRY_RUN, outside a job: one line saying how to submit or dry-run.
-    r = subprocess.run(
-        ["bash", "slurm/train.sbatch"],
-        cwd=ROOT,
-        env=_outside_slurm(tmp_path),
-        capture_output=True,
-        text=True,
-    )
+    r = bash("slurm/train.sbatch", env=_outside_slurm(tmp_path), timeout=None)
     assert r.returncode == 2 and r.stderr.startswith("error: train.sbatch runs inside a Slurm job")
     assert "DRY_RUN=1 bash slurm/train.sbatch" in r.stderr and len(r.stderr.splitlines()) == 1
 

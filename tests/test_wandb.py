@@ -214,8 +214,7 @@ def make_logger(
 ):
     import wandb
 
-    from config import LoggerConfig, WandbConfig
-    from logger import MetricsLogger
+    from logger import LoggerConfig, MetricsLogger, WandbConfig
 
     fake = FakeRun(starting_step)
     fake.inits = []
@@ -344,7 +343,8 @@ def test_resume_policy_and_its_config_checks(monkeypatch):
     import wandb
 
     import logger as logger_module
-    from config import ConfigError, LoggerConfig, WandbConfig, compose_config, validate
+    from config import ConfigError, compose_config, validate
+    from logger import LoggerConfig, WandbConfig
 
     policy = logger_module.wandb_resume_policy
     assert policy(WandbConfig(mode="online")) == "rewind"  # wandb 0.31 has resume_from

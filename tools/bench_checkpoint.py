@@ -62,6 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runlog import read_metrics  # noqa: E402
 from tools import benchlib  # noqa: E402
 
 MODES = ("sync", "async", "async_process")
@@ -166,12 +167,6 @@ def disk_ceiling(directory: Path, total_bytes: int, streams: int, rank: int, wor
     return per_stream * streams * world / elapsed / 1e9
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    from runlog import read_metrics  # a JSON line per record; none when the file is missing
-
-    return read_metrics(path)
-
-
 class GilProbe(threading.Thread):
     """--gil-probe: a thread of the trainer that sleeps 1 ms at a time and records how late it
     wakes, which is how long any thread of the process waits to take the GIL back after a
@@ -236,8 +231,8 @@ def run_mode(mode: str, args, overrides: list[str], root: Path) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     _barrier()
-    records = read_jsonl(run_dir / "checkpoint_saves.jsonl")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir / "checkpoint_saves.jsonl")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     step_s = [tokens / m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
     out = {
@@ -362,7 +357,7 @@ def measure_resume(mode: str, args, overrides: list[str], root: Path, threads: i
     record = next(
         (
             r
-            for r in reversed(read_jsonl(run_dir / "checkpoint_saves.jsonl"))
+            for r in reversed(read_metrics(run_dir / "checkpoint_saves.jsonl"))
             if r.get("event") == "resumed"
         ),
         None,

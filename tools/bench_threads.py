@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 
 def _spin() -> None:
@@ -87,22 +88,12 @@ def case(threads: int, busy: int, steps: int, nproc: int, root: Path, synthetic=
                 step_s=float(step_s),
                 loss=float(loss),
             )
-        r = launch(
-            [
-                f"run.root={root}",
-                f"run.name={name}",
-                f"train.steps={steps}",
-                "checkpoint=none",
-                "train.log_every=10",
-            ],
-            nproc=nproc,
-            env=env,
-        )
-        if r.returncode != 0:
+        args = [f"run.root={root}", f"run.name={name}", f"train.steps={steps}"]
+        args += ["checkpoint=none", "train.log_every=10"]
+        r = benchlib.run_case(args, run_dir=root / name, nproc=nproc, env=env)
+        if not r.ok:
             raise SystemExit(f"{name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-        from runlog import read_metrics
-
-        records = read_metrics(root / name / "metrics.jsonl")
+        records = r.records
         times = [rec["step_time_s"] for rec in records[1:]] or [records[0]["step_time_s"]]
         return dict(
             threads=threads,

@@ -1,19 +1,21 @@
 """What the benchmark tools share: one case runner (train.py in its own process, its metrics
-and, when it failed, the one line that says why) and one markdown-table writer.
+and, when it failed, the one line that says why), one in-process run (`train_here`: the
+studies, tools/divergence_study.py and resume_guard_study.py) and one markdown-table writer.
 
     from tools.benchlib import run_case, table
     case = run_case(["model=tiny", "train.steps=4"], run_dir=root / "a")
     print(table(["run", "loss"], [["a", f"{case.records[-1]['loss']:.4f}"]]))
 
-tools/bench_step.py, bench_recipes.py and bench_determinism.py run their cases with
-`run_case`; bench_checkpoint.py runs train.run() in its own process (its disk and host-copy
-ceilings are measured around it, under one torchrun) and shares the table writer and the
-small helpers. bench_loss.py times the loss functions in-process: it runs no train.py case.
+tools/bench_step.py, bench_recipes.py, bench_determinism.py, bench_threads.py and
+recipe_switch_demo.py run their train.py cases with `run_case`; bench_checkpoint.py runs
+train.run() in its own process (its disk and host-copy ceilings are measured around it, under
+one torchrun) and shares the table writer and the small helpers. bench_loss.py times the loss functions in-process: it runs no train.py case.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import signal
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from runtime import STACK_SIGNAL, failure_line  # noqa: E402
+from runtime import STACK_SIGNAL, command, failure_line, stat_fields  # noqa: E402
 
 
 @dataclass
@@ -71,14 +74,6 @@ class Case:
         """The last `n` non-empty lines of stderr then stdout."""
         lines = [line for line in (self.stderr + self.stdout).splitlines() if line.strip()]
         return "\n".join(lines[-n:])
-
-
-def command(args: Sequence[str], nproc: int = 1, program: str = "train.py") -> list[str]:
-    """`python train.py ARGS`, under `torchrun --standalone` when nproc > 1."""
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*cmd, program, *args]
 
 
 def run_case(
@@ -126,17 +121,36 @@ def run_case(
     return Case(returncode, seconds, stdout, stderr, records, timed_out=timed_out)
 
 
+def train_here(root: Path, name: str, overrides: Sequence[str], ok=(0,)) -> str:
+    """train.run() in this process for the run `name` under `root` (`overrides`: train.py's);
+    its stdout, with the one-line error of a run that stopped on a ConfigError. A status not
+    in `ok` exits (SystemExit) with that output."""
+    import train
+    from checkpoint.manager import close_open
+    from config import compose_config
+    from errors import ConfigError
+
+    out = io.StringIO()
+    try:
+        with redirect_stdout(out):
+            try:
+                status = train.run(
+                    compose_config([f"run.root={root}", f"run.name={name}", *overrides])
+                )
+            except ConfigError as e:
+                status = 2
+                print(f"error: {e}")
+    finally:
+        close_open()
+    if status not in ok:
+        raise SystemExit(f"{name}: train.py returned {status}:\n{out.getvalue()}")
+    return out.getvalue()
+
+
 def _children(pid: int) -> list[int]:
     """The live processes whose parent is `pid` (Linux /proc)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    pids = (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    return [kid for kid in pids if (stat_fields(kid) or [None, None])[1] == str(pid)]
 
 
 def stop_with_stacks(proc: subprocess.Popen, grace: float = 3.0) -> int:

@@ -16,14 +16,13 @@ default rule (train.divergence_ratio=3) would stop at, or "no stop".
 from __future__ import annotations
 
 import argparse
-import io
 import sys
-from contextlib import redirect_stdout
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from divergence import DEAD_STEPS, FLAT, Divergence, StepStats  # noqa: E402
+from tools.benchlib import train_here  # noqa: E402
 
 _SMALL = ["model=tiny", "data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
 #: name -> overrides: lr from clean to diverged, with the default warmup (30 steps).
@@ -35,21 +34,6 @@ RUNS: dict[str, list[str]] = {
     **{f"lr{lr}": [*_SMALL, "train.steps=8", f"optim.lr={lr}"] for lr in ("10", "100", "1e3")},
 }
 _BASE = ["train.device=cpu", "checkpoint=none", "train.log_every=1", "train.divergence_ratio=0"]
-
-
-def _train(root: Path, name: str, overrides: list[str]) -> None:
-    import train
-    from checkpoint.manager import close_open
-    from config import compose_config
-
-    try:
-        with redirect_stdout(io.StringIO()):
-            cfg = compose_config([f"run.root={root}", f"run.name={name}", *_BASE, *overrides])
-            status = train.run(cfg)
-    finally:
-        close_open()
-    if status != 0:
-        raise SystemExit(f"{name}: train.py returned {status}")
 
 
 def judge(records: list[dict], every: int, ratio: float = 3.0) -> dict:
@@ -91,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     for name, overrides in RUNS.items():
         if not (a.root / name / "metrics.jsonl").exists():
-            _train(a.root, name, overrides)
+            train_here(a.root, name, [*_BASE, *overrides])
     dirs = [a.root / n for n in RUNS]
     for d in a.more:
         dirs += [d] if (d / "metrics.jsonl").exists() else sorted(d.glob("*/metrics.jsonl"))

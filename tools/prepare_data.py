@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 from config import compose_config  # noqa: E402
 from data.sources import check_text_field, hf_dataset, training_documents  # noqa: E402
 from data.token_cache import cache_root, list_entries, load_tokens  # noqa: E402
-from data.tokenizer import build_tokenizer, one_line  # noqa: E402
-from errors import ConfigError  # noqa: E402
+from data.tokenizer import build_tokenizer  # noqa: E402
+from errors import ConfigError, one_line  # noqa: E402
 
 
 def report(meta: dict, tokens_path: Path, seq_len: int) -> str:

@@ -23,8 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runlog import read_metrics  # noqa: E402
-from runtime import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 #: One checkpoint in all: the switch step's (llama3_1b with FP8 weights: about 16 GB).
 BASE = [
@@ -37,17 +36,16 @@ BASE = [
 
 
 def run(name: str, args: list[str], out: Path) -> tuple[list[dict], str]:
-    r = launch([*args, f"run.root={out}", f"run.name={name}", "checkpoint.resume=none"])
-    (out / f"{name}.log").write_text(r.stdout + r.stderr)
-    if r.returncode != 0:
-        sys.exit(f"error: the {name} run failed (exit {r.returncode}); see {out / name}.log")
-    return read_metrics(out / name / "metrics.jsonl"), r.stdout
+    args = [*args, f"run.root={out}", f"run.name={name}", "checkpoint.resume=none"]
+    case = benchlib.run_case(args, run_dir=out / name)
+    (out / f"{name}.log").write_text(case.stdout + case.stderr)
+    if not case.ok:
+        sys.exit(f"error: the {name} run failed (exit {case.returncode}); see {out / name}.log")
+    return case.records, case.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = benchlib.split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--at", default="0.8", help="recipe.switch's at: a fraction or a step")

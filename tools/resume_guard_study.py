@@ -33,7 +33,6 @@ import json
 import shutil
 import sys
 from collections.abc import Callable
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint.health import ABOVE, FIRST, Recent, ResumeWatch, logged_losses  # noqa: E402
+from tools.benchlib import train_here  # noqa: E402
 
 _BASE = ["train.device=cpu", "checkpoint=none", "train.log_every=1"]
 _TINY = ["model=tiny", "data.seq_len=64", "data.max_bytes=400000", "train.global_batch_size=8"]
@@ -111,30 +111,6 @@ DAMAGE: dict[str, Callable] = {
 QUICK_DAMAGE = ["weights x0.5", "output head x0.5"]
 
 
-def _train(root: Path, name: str, overrides: list[str], ok=(0,)) -> str:
-    """train.py in this process; its stdout (and the one-line error of a run that stopped)."""
-    import train
-    from checkpoint.manager import close_open
-    from config import compose_config
-    from errors import ConfigError
-
-    out = io.StringIO()
-    try:
-        with redirect_stdout(out):
-            try:
-                status = train.run(
-                    compose_config([f"run.root={root}", f"run.name={name}", *overrides])
-                )
-            except ConfigError as e:
-                status = 2
-                print(f"error: {e}")
-    finally:
-        close_open()
-    if status not in ok:
-        raise SystemExit(f"{name}: train.py returned {status}:\n{out.getvalue()}")
-    return out.getvalue()
-
-
 # -- damage that passes every check -------------------------------------------------------------
 
 
@@ -174,9 +150,11 @@ def rewrite_hash(ckpt: Path, name: str) -> None:
     (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
 
 
-def rewrite_tensor(ckpt: Path, fqn: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def rewrite_tensor(
+    ckpt: Path, fqn: str, change: Callable[[torch.Tensor], torch.Tensor], rehash: bool = True
+) -> None:
     """The saved values of `fqn` replaced by `change(saved)` (same shape and dtype), in place,
-    and its file's hash rewritten: every check of a load passes."""
+    and (`rehash`) its file's hash rewritten: every check of a load passes."""
     path, offset, length = saved_item(ckpt, fqn)
     data = bytearray(path.read_bytes())
     record = bytes(data[offset : offset + length])
@@ -188,7 +166,8 @@ def rewrite_tensor(ckpt: Path, fqn: str, change: Callable[[torch.Tensor], torch.
         raise ValueError(f"{fqn}: {tuple(new.shape)} in place of {tuple(tensor.shape)}")
     data[at : at + len(raw)] = new.numpy().tobytes()
     path.write_bytes(bytes(data))
-    rewrite_hash(ckpt, path.name)
+    if rehash:
+        rewrite_hash(ckpt, path.name)
 
 
 def damage(ckpt: Path, kind: str, early: Path | None = None, seed: int = 0) -> None:
@@ -262,7 +241,7 @@ def real_resumes(root: Path, overrides: list[str], every: int, extend_to: int) -
     base_dir = root / "resumed-base"
     shutil.rmtree(base_dir, ignore_errors=True)
     args = [*overrides, f"checkpoint.interval={every}"]
-    _train(root, base_dir.name, args)
+    train_here(root, base_dir.name, args)
     base = dict(logged_losses(_records(base_dir), 10**9))
     results = []
     for ckpt in sorted((base_dir / "checkpoints").glob("step_*")):
@@ -271,10 +250,10 @@ def real_resumes(root: Path, overrides: list[str], every: int, extend_to: int) -
         path = _copy_run(base_dir, root / name, step)
         if step == max(base):  # the end: extended past its schedule
             extend = [f"train.steps={extend_to}", f"optim.schedule_steps={extend_to}"]
-            out = _train(root, name, [*args, *extend, "resume.accept=[optim.schedule_steps]"])
+            out = train_here(root, name, [*args, *extend, "resume.accept=[optim.schedule_steps]"])
             results.append({"step": step, "extended": True, "bitwise": True})
         else:
-            out = _train(root, name, [*args, f"checkpoint.resume={path}"])
+            out = train_here(root, name, [*args, f"checkpoint.resume={path}"])
             after = {s: v for s, v in logged_losses(_records(root / name), 10**9) if s > step}
             want = {s: v for s, v in base.items() if s > step}
             results.append({"step": step, "extended": False, "bitwise": after == want})
@@ -297,7 +276,7 @@ def damaged_resumes(root: Path, overrides: list[str], every: int, kinds: list[st
             name = "damaged"
             path = _copy_run(base_dir, root / name, step)
             damage(path, kind, early)
-            out = _train(
+            out = train_here(
                 root,
                 name,
                 [*args, f"train.steps={step + FIRST}", f"checkpoint.resume={path}"],
@@ -344,7 +323,7 @@ def study(
     everything: list[dict] = []
     for name, overrides in runs.items():
         if not (root / name / "metrics.jsonl").exists():
-            _train(root, name, [*_BASE, *overrides])
+            train_here(root, name, [*_BASE, *overrides])
         samples = judge(logged_losses(_records(root / name), 10**9))
         everything += samples
         zs = [s["z"] for s in samples]

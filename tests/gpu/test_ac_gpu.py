@@ -29,9 +29,8 @@ GRAD_RTOL = 1e-3
 
 def _run(recipe_name: str, quantized_init: bool, mode: str, every: int = 1):
     import compat
-    from config import OptimConfig
     from model.config import ModelConfig
-    from optim import build_optimizer
+    from optim import OptimConfig, build_optimizer
     from parallel import ParallelConfig, ParallelDims
     from recipes import build_recipe
     from recipes.config import RecipeConfig

@@ -406,8 +406,7 @@ def _moments_setup(seed: int, moment_dtype: str):
     from torch.distributed.fsdp import fully_shard
 
     from checkpoint import TrainState, training_state
-    from config import OptimConfig
-    from optim import build_optimizer
+    from optim import OptimConfig, build_optimizer
 
     torch.manual_seed(seed)
     # With biases: build_optimizer's second group (1-D parameters) must not be empty, as in the

@@ -208,9 +208,8 @@ def test_quantized_init_fp8_cs_trains():
     Reference: the plain-PyTorch model, same seed, same batch, torch AdamW, bf16 autocast."""
     import transformer_engine.pytorch as te
 
-    from config import OptimConfig
     from model import build_model
-    from optim import build_optimizer
+    from optim import OptimConfig, build_optimizer
     from recipes import build_recipe
     from recipes.config import RecipeConfig
 

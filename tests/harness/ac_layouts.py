@@ -33,7 +33,8 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
-from tests.harness.matrix import VARIANTS, emit_row
+from tests.harness.matrix import VARIANTS
+from tests.harness.multitier import emit_row
 
 MODES = (("none", 1), ("full", 1), ("mlp", 1), ("selective", 1), ("full", 2))
 #: Relative loss difference allowed against no recomputation (see the module docstring).
@@ -89,8 +90,7 @@ def run_case(dims, recipe_name: str, qinit: bool, mode: str, every: int, cpu: bo
 
     import torch
 
-    from config import OptimConfig
-    from optim import build_optimizer
+    from optim import OptimConfig, build_optimizer
     from recipes import build_recipe
     from recipes.config import RecipeConfig
     from steps import train_step

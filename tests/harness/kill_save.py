@@ -29,7 +29,6 @@ when any failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -78,16 +77,10 @@ def as_train_py() -> None:
 
 
 def torchrun(nproc: int, program: str, overrides: list[str], log: Path, env=None):
+    from tests.harness.resume import start
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", program, *overrides]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=open(log, "w"),  # noqa: SIM115 - the child keeps it
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: killpg reaches every rank
-    )
+    return start([*cmd, f"--nproc_per_node={nproc}", program, *overrides], log, env)
 
 
 def last_step(run_dir: Path) -> int:
@@ -127,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoint import store
     from runlog import load_run
-    from tests.harness.multitier import row
+    from tests.harness.multitier import emit_row, row
     from tests.harness.resume import loss_parity, resumed
 
     logs = a.logs or a.root
@@ -148,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def emit(case: str, ok: bool, detail: str) -> None:
-        r = row(a.part, case, "passed" if ok else "failed", detail)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        if a.jsonl:
-            with open(a.jsonl, "a") as f:
-                f.write(json.dumps(r) + "\n")
+        emit_row(rows, row(a.part, case, "passed" if ok else "failed", detail), 0, a.jsonl)
 
     t0 = time.time()
     ref = torchrun(a.nproc, "train.py", [*base, "run.name=reference"], logs / "kill9_reference.log")

@@ -35,6 +35,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from tests.harness.multitier import emit_row
 from tests.harness.resume import case_overrides, format_table, resume_case
 
 VARIANTS = (
@@ -95,17 +96,6 @@ def run_case(tmp: Path, recipe: str, qinit: bool, mode: str, args, rank: int) ->
             run_in_process, tmp, name, common, args.steps // 2, leader=rank == 0, sync=dist.barrier
         ),
     )
-
-
-def emit_row(rows: list[dict], row: dict, rank: int, jsonl: str | None) -> None:
-    """Keep a finished case's row; rank 0 prints it and appends it to `jsonl` at once (a
-    later case that hangs or kills the job keeps the earlier rows)."""
-    rows.append(row)
-    if rank == 0:
-        print(json.dumps(row), flush=True)
-        if jsonl:
-            with open(jsonl, "a") as f:
-                f.write(json.dumps(row) + "\n")
 
 
 def passed(row: dict) -> bool:

@@ -33,6 +33,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from runlog import read_metrics  # a JSON line per row (a line cut by a killed job: skipped)
+
 RESULTS = ("passed", "failed", "not run", "refused")
 #: Exit statuses of `timeout` (124: the command timed out; 137: killed by its -k SIGKILL).
 TIMEOUT_RC = (124, 137)
@@ -42,6 +44,17 @@ def row(part: str, case: str, result: str, detail: str = "") -> dict:
     if result not in RESULTS:
         raise ValueError(f"result {result!r} is not one of {RESULTS}")
     return {"part": part, "case": case, "result": result, "detail": detail}
+
+
+def emit_row(rows: list[dict], row: dict, rank: int, jsonl: str | Path | None) -> None:
+    """Keep a finished case's row; rank 0 prints it and appends it to `jsonl` at once (a
+    later case that hangs or kills the job keeps the earlier rows)."""
+    rows.append(row)
+    if rank == 0:
+        print(json.dumps(row), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 def _ok(flag) -> str:
@@ -128,18 +141,6 @@ def job_rows(rows: list[dict], part: str, job: str, rc: int, timeout_s: float | 
     return rows
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a killed job
-            continue
-    return out
-
-
 def convert(kind: str, files: list[Path], part: str, label: str) -> list[dict]:
     rows: list[dict] = []
     for f in files:
@@ -148,13 +149,13 @@ def convert(kind: str, files: list[Path], part: str, label: str) -> list[dict]:
         if kind == "parity":
             rows += parity_rows(json.loads(f.read_text()), part, label)
         elif kind == "matrix":
-            rows += matrix_rows(read_jsonl(f), part)
+            rows += matrix_rows(read_metrics(f), part)
         elif kind == "ac":
-            rows += ac_rows(read_jsonl(f), part)
+            rows += ac_rows(read_metrics(f), part)
         elif kind == "junit":
             rows += junit_rows(f.read_text(), part)
         elif kind == "rows":  # already rows (reshard, kill9)
-            rows += [r for r in read_jsonl(f) if r.get("part") == part]
+            rows += [r for r in read_metrics(f) if r.get("part") == part]
         else:
             raise ValueError(f"unknown kind {kind!r}")
     return rows
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a.part}: {a.case}: not run: {a.reason}")
         append(a.out, [row(a.part, a.case, "not run", a.reason)])
         return 0
-    rows = [x for f in a.files for x in read_jsonl(f)]
+    rows = [x for f in a.files for x in read_metrics(f)]
     allow = os.environ.get("MULTITIER_ALLOW_NOT_RUN") == "1"
     rows, counts, status = summarize(rows, a.parts, allow)
     text = format_table(rows, counts)

@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 
 import compat
-from config import OptimConfig, compose_config
+from config import compose_config, validate_tp_split
 from data.documents import DocumentBoundaries
 from errors import ConfigError
 from model.config import ModelConfig
 from model.init import full_init_value
-from optim import build_optimizer
+from optim import OptimConfig, build_optimizer
 from parallel import ParallelConfig, ParallelDims
 from parallel.cp import token_align
 from parallel.dims import GRAD_REDUCE, LAYOUTS
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             dims = ParallelDims(pcfg, world)
-            dims.validate_model(cfg)
+            validate_tp_split(cfg, dims.tp)
             dims.validate_seq_len(args.seq_len)
         except ConfigError as e:
             results["curves"].append({"layout": name, "skipped": str(e)})

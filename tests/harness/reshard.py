@@ -24,14 +24,12 @@ status 1 when any failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, INTERVAL = 30, 10
 #: tests/harness/parity.py's tolerances (relative loss difference), by recipe name.
 STEP1_RTOL = {"bf16": 5e-3, "fp8_delayed": 1e-2, "fp8_cs": 1e-2, "fp8_block": 1e-2}
@@ -44,20 +42,11 @@ def recipe_of(overrides: list[str]) -> str:
 
 
 def start(nproc: int, overrides: list[str], log: Path, gpus: str | None) -> subprocess.Popen:
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpus
-    return subprocess.Popen(
-        [*cmd, "train.py", *overrides],
-        cwd=ROOT,
-        env=env,
-        stdout=open(log, "w"),  # noqa: SIM115 - the child keeps it
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    from runtime import command
+    from tests.harness import resume
+
+    env = None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus}
+    return resume.start(command(overrides, nproc), log, env)
 
 
 def finish(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, str | None]:
@@ -111,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from runlog import load_run
-    from tests.harness.multitier import row
+    from tests.harness.multitier import emit_row, row
     from tests.harness.resume import keep_only_checkpoint, resumed
 
     recipe = recipe_of(a.overrides)
@@ -123,12 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def emit(case: str, ok: bool, detail: str) -> None:
-        r = row(a.part, f"{name}: {case}", "passed" if ok else "failed", detail)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        if a.jsonl:
-            with open(a.jsonl, "a") as f:
-                f.write(json.dumps(r) + "\n")
+        result = "passed" if ok else "failed"
+        emit_row(rows, row(a.part, f"{name}: {case}", result, detail), 0, a.jsonl)
 
     def args(run: str) -> list[str]:
         return [

@@ -26,7 +26,9 @@ tests/gpu/suite.sh's scale stage (launched by the script, copied by `--copy-chec
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -159,6 +161,19 @@ def format_table(rows: list[dict], keys: tuple[str, ...] = ("case",), timing: bo
             cells += [f"{r['seconds_a'] + r['seconds_b']:.0f}"] if timing else []
             lines.append(f"{first} " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
+
+
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`cmd` in the background from the repository root, its output to `log`, in a process
+    group of its own (killpg reaches every rank); `env` adds to this process's environment."""
+    return subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=open(log, "w"),  # noqa: SIM115 - the child keeps it
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def subprocess_runner(nproc: int, resume_nproc: int | None = None) -> Runner:

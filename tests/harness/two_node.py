@@ -17,7 +17,6 @@ exits 0 when the runs agree, 1 when they do not or a launch failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
 from tests.distributed import free_port  # noqa: E402
+from tests.harness.multitier import emit_row, row  # noqa: E402
 
 METRICS = ("loss", "grad_norm", "lr")
 
@@ -120,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     detail = problem or f"{steps} steps, loss/grad_norm/lr " + (
         "bit for bit" if a.rtol == 0 else f"within rtol {a.rtol}"
     )
-    row = {"part": "twonode", "case": case, "result": "failed" if problem else "passed"}
-    line = json.dumps({**row, "detail": detail})
-    print(line)
-    if a.jsonl:
-        with open(a.jsonl, "a") as f:
-            f.write(line + "\n")
+    emit_row([], row("twonode", case, "failed" if problem else "passed", detail), 0, a.jsonl)
     return 1 if problem else 0
 
 
