@@ -94,11 +94,10 @@ train: setup
 	$(PYTHON) train.py $(ARGS)
 
 # CPU unit tests + multi-process gloo tests; `gpu` tests skip without CUDA + TE. TEST_JOBS
-# test files run at once (pytest-xdist): one more than the cores, at most 4. The tests wait on
-# their processes (ranks, launchers, the tests' Slurm), and with one job a core the cores sat
-# idle part of the time: on 2 cores, 3 jobs took 895 s against 2 jobs' 1,028 s (docs/TESTING.md).
+# test files run at once (pytest-xdist), one per core, at most 4. On 2 cores 3 jobs were
+# faster (895 s against 1,028 s) but made timing-bound tests fail (docs/TESTING.md).
 # TEST_JOBS=1 runs them one after another.
-TEST_JOBS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")
+TEST_JOBS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 test: setup-dev
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 

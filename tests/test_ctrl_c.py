@@ -216,10 +216,11 @@ def test_a_ctrl_c_during_a_save_saves_the_next_step(tmp_path, reference, mode):
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == EXIT_INTERRUPTED, out
     lines = out.splitlines()
-    first = {
-        key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
-        for key in ("stopping: SIGINT", "checkpoint: step 4 committed")
-    }
+    first = {}
+    for key in ("stopping: SIGINT", "checkpoint: step 4 committed"):
+        at = [i for i, ln in enumerate(lines) if ln.startswith(key)]
+        assert at, f"no line starts with {key!r}:\n{out}"
+        first[key] = at[0]
     assert first["stopping: SIGINT"] < first["checkpoint: step 4 committed"], out  # inside it
     assert logged(run_dir)[-1] == 5, out
     assert committed(root) == [4, 5], out

@@ -37,7 +37,10 @@ def probe(url: str, timeout: float) -> str | None:
             outcome.append(None)
         except Exception as e:  # noqa: BLE001 (every failure to get a reply is the answer)
             reason = getattr(e, "reason", e)
-            outcome.append(f"{type(reason).__name__}: {reason}")
+            if isinstance(reason, TimeoutError):  # the socket's clock ran out before join's
+                outcome.append(f"no answer in {timeout:g} s")
+            else:
+                outcome.append(f"{type(reason).__name__}: {reason}")
 
     asker = threading.Thread(target=ask, daemon=True)
     asker.start()
