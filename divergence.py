@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 #: Logged losses of which a median is a level.
@@ -73,7 +74,8 @@ class Divergence:
     ratio: float
     #: The lr the run trains at (optim.lr), for the line's hint.
     lr: float
-    history: list[float] = field(default_factory=list)
+    #: The last RECENT logged losses.
+    history: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     level: float | None = None
 
     def logged(self, loss: float) -> None:
@@ -81,7 +83,7 @@ class Divergence:
         if not math.isfinite(loss):
             return
         self.history.append(loss)
-        median = statistics.median(self.history[-RECENT:])
+        median = statistics.median(self.history)
         self.level = median if self.level is None else min(self.level, median)
 
     def reference(self, stats: StepStats) -> float:
