@@ -570,6 +570,11 @@ class RunGroup:
         m = self.mean
         return math.sqrt(sum((x - m) ** 2 for x in self.means) / (n - 1))
 
+    @property
+    def relative_spread(self) -> float | None:
+        """`spread` as a fraction of the group's mean."""
+        return None if self.spread is None else self.spread / abs(self.mean or 1)
+
 
 @dataclass
 class NoiseVerdict:
@@ -644,7 +649,7 @@ class NoiseVerdict:
             "every run logged; each run's mean over them):"
         ]
         for g in (self.a, self.b):
-            spread = "" if g.spread is None else f", spread {g.spread / abs(g.mean or 1):.2%}"
+            spread = "" if g.relative_spread is None else f", spread {g.relative_spread:.2%}"
             runs = "run" if len(g.means) == 1 else "runs"
             out.append(
                 f"  {g.name} ({len(g.means)} {runs}): "

@@ -462,7 +462,7 @@ def verdict_record(verdict: NoiseVerdict, first: tuple[str, bool] | None) -> dic
                 "runs": g.labels,
                 "means": g.means,
                 "mean": g.mean,
-                "spread": None if g.spread is None else g.spread / abs(g.mean or 1),
+                "spread": g.relative_spread,
             }
             for g in (verdict.a, verdict.b)
         },
@@ -487,13 +487,7 @@ def verdict_record(verdict: NoiseVerdict, first: tuple[str, bool] | None) -> dic
 
 
 def _labels(paths: Sequence[str]) -> list[str]:
-    labels = []
-    for p in paths:
-        label = p.rstrip("/") or p
-        while label in labels:
-            label += "'"
-        labels.append(label)
-    return labels
+    return _unique([p.rstrip("/") or p for p in paths])
 
 
 def _unique(names: Sequence[str]) -> list[str]:

@@ -115,6 +115,8 @@ def _main_path(by_path: dict[str, float]) -> str:
 
 _BACKWARD = re.compile(r"bprop|bwd|backward|dgrad", re.I)
 _FP8 = re.compile(r"fp8|f8|e4m3|e5m2", re.I)
+#: A communication kernel's operation (SendRecv: context parallelism's ring).
+_NCCL_OP = re.compile(r"(AllGather|ReduceScatter|AllReduce|SendRecv|Broadcast|AllToAll)", re.I)
 
 
 def attention_part(name: str, launched_by: str) -> str:
@@ -143,11 +145,16 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
     spans: dict = defaultdict(list)
     non_nccl: dict = defaultdict(float)
     nccl = []
+    # Communication by operation: its time, and how much of it the compute stream was busy
+    # beside.
+    nccl_ops: dict = defaultdict(list)
     for k, kind, stream in kernels:
         span = (k["ts"], k["ts"] + k["dur"])
         spans[stream].append(span)
         if kind == "nccl":
             nccl.append(span)
+            op = _NCCL_OP.search(k["name"])
+            nccl_ops[op.group(1) if op else "other"].append(span)
         else:
             non_nccl[stream] += k["dur"]
     compute = max(spans, key=lambda stream: non_nccl[stream])
@@ -160,8 +167,8 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
     attention: dict = defaultdict(lambda: [0.0, 0])  # part -> [ms, calls]
     for k, kind, stream in kernels:
         kinds_all[kind] += k["dur"] / 1e3
+        path = paths.get(k.get("args", {}).get("correlation"), "?")
         if kind == "attention":
-            path = paths.get(k.get("args", {}).get("correlation"), "")
             part = attention[attention_part(k["name"], path)]
             part[0] += k["dur"] / 1e3
             part[1] += 1
@@ -170,16 +177,7 @@ def summarize(trace: dict, steps: int = 1, top: int = 15) -> dict:
         row = per_name.setdefault(k["name"], [0.0, 0, defaultdict(float), kind])
         row[0] += k["dur"] / 1e3
         row[1] += 1
-        row[2][paths.get(k.get("args", {}).get("correlation"), "?")] += k["dur"]
-    # Communication by operation (AllGather, ReduceScatter, SendRecv: context parallelism's
-    # ring, AllReduce, ...): its time, and how much of it the compute stream was busy beside.
-    nccl_ops: dict = defaultdict(list)
-    for k, kind, _ in kernels:
-        if kind == "nccl":
-            op = re.search(
-                r"(AllGather|ReduceScatter|AllReduce|SendRecv|Broadcast|AllToAll)", k["name"], re.I
-            )
-            nccl_ops[op.group(1) if op else "other"].append((k["ts"], k["ts"] + k["dur"]))
+        row[2][path] += k["dur"]
     tops = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     busy = union_ms(spans[compute])
     return {
