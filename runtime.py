@@ -777,6 +777,12 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (Linux /proc)."""
+    pids = (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    return [kid for kid in pids if (stat_fields(kid) or [None, None])[1] == str(pid)]
+
+
 def process_start(pid: int) -> str | None:
     """The start time of process `pid` in clock ticks since boot (Linux), else None: with the
     pid it names one process, whose pid the system may later give to another."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime import pid_alive
 from tools import benchlib
 
 
@@ -96,16 +97,6 @@ def _hanging_train(tmp_path, run_dir):
     )
 
 
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_case_past_its_timeout_says_where_its_ranks_were(tmp_path, nproc):
     """The cp=4 case of issue 56 ran past the suite's limit and bench_step printed nothing:
@@ -132,5 +123,5 @@ def test_a_case_past_its_timeout_says_where_its_ranks_were(tmp_path, nproc):
             cmdline = proc.read_bytes()
         except OSError:
             continue
-        if str(repo).encode() in cmdline and _alive(int(proc.parent.name)):
+        if str(repo).encode() in cmdline and pid_alive(int(proc.parent.name)):
             raise AssertionError(f"left running: {cmdline!r}")

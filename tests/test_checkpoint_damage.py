@@ -22,6 +22,7 @@ import torch
 from checkpoint import store
 from checkpoint.manager import close_open
 from errors import ConfigError
+from runlog import read_metrics
 from tests.ckpt_harness import Run, committed, previous_hint, refused, small_cfg, two_checkpoints
 from tools.resume_guard_study import rewrite_hash, rewrite_tensor, saved_item
 
@@ -250,7 +251,7 @@ def test_resume_from_undetectable_damage_keeps_the_older_checkpoint(
                 assert train.run(small_cfg(tmp_path, "r", *args)) == 0
     finally:
         close_open()
-    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
+    records = read_metrics(tmp_path / "r" / "metrics.jsonl")
     before = [r["loss"] for r in records if r["step"] <= 12]
     expected, first, limit = _guard_line(root, records)
     assert min(first) > limit  # the damage shows in the loss (what the check relies on)
@@ -297,10 +298,6 @@ def _resume(tmp: Path, *args: str, sigterm_at: int | None = None):
         close_open()
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
-
-
 _EXTEND = ["resume.accept=[train.steps]", *_RUN]
 
 
@@ -314,7 +311,9 @@ def uninterrupted(tmp_path_factory):
         assert train.run(small_cfg(tmp, "r", "train.steps=16", *_RUN)) == 0
     finally:
         close_open()
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(tmp / "r")]
+    return [
+        (r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp / "r" / "metrics.jsonl")
+    ]
 
 
 def test_a_clean_resume_stopped_before_its_verdict_is_confirmed_by_the_next(
@@ -341,9 +340,10 @@ def test_a_clean_resume_stopped_before_its_verdict_is_confirmed_by_the_next(
     assert len(healthy) == 1 and " at steps 13-15 (0 of 3 above), " in healthy[0], out
     assert store.read_unconfirmed(root) is None
     assert committed(root) == [13, 16]
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(tmp_path / "r")] == (
-        uninterrupted
-    )
+    assert [
+        (r["step"], r["loss"], r["grad_norm"])
+        for r in read_metrics(tmp_path / "r" / "metrics.jsonl")
+    ] == (uninterrupted)
 
 
 def _halve(kind: str):
@@ -384,7 +384,7 @@ def test_a_resume_stopped_before_its_verdict_is_judged_by_the_next(
     assert committed(root) == [8, 12, saved]
     assert store.read_unconfirmed(root)["resumed_from"] == 12
     status, out = _resume(tmp_path, "train.steps=20", *_EXTEND)
-    records = _metrics(tmp_path / "r")
+    records = read_metrics(tmp_path / "r" / "metrics.jsonl")
     line, judged, limit = _guard_line(root, records, via=saved)
     assert isinstance(status, ConfigError), out
     assert str(status) == f"{line}; or go on with resume.loss_check=continue"

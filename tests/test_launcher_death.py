@@ -23,33 +23,11 @@ import pytest
 
 from checkpoint import store
 from runlog import read_metrics
-from runtime import PARENT_DEATH_SIGNAL, StopSignal
+from runtime import PARENT_DEATH_SIGNAL, StopSignal, child_pids, pid_alive
 from tests.ckpt_harness import committed
 from tests.helpers import CPU_ENV, LAUNCHED_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("sig, mode", [(signal.SIGKILL, "sync"), (signal.SIGUSR1, "none")])
@@ -74,20 +52,20 @@ def test_trainers_stop_when_their_launcher_dies(tmp_path, sig, mode):
             assert agent.poll() is None, agent.communicate()[0]
             assert time.monotonic() < deadline, "the run did not reach step 3 in time"
             time.sleep(0.1)
-        trainers = _children(agent.pid)
+        trainers = child_pids(agent.pid)
         assert len(trainers) == 2
         os.kill(agent.pid, sig)
         killed = time.monotonic()
         out, _ = agent.communicate(timeout=120)  # until the trainers close the pipe too
-        while any(map(_running, trainers)) and time.monotonic() - killed < 60:
+        while any(map(pid_alive, trainers)) and time.monotonic() - killed < 60:
             time.sleep(0.05)
         took = time.monotonic() - killed
     finally:
         for pid in [agent.pid, *trainers]:
-            if _running(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert agent.returncode == -sig
-    assert not any(map(_running, trainers)) and took < 30, (took, out)  # ~2-7 s measured
+    assert not any(map(pid_alive, trainers)) and took < 30, (took, out)  # ~2-7 s measured
     assert "Traceback" not in out and "error:" not in out, out
     logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert logged == list(range(1, logged[-1] + 1)) and logged[-1] < 100, out

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runlog import read_metrics  # noqa: E402
-from runtime import STACK_SIGNAL, command, failure_line, stat_fields  # noqa: E402
+from runtime import STACK_SIGNAL, child_pids, command, failure_line  # noqa: E402
 
 
 @dataclass
@@ -147,19 +147,13 @@ def train_here(root: Path, name: str, overrides: Sequence[str], ok=(0,)) -> str:
     return out.getvalue()
 
 
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (Linux /proc)."""
-    pids = (int(p.name) for p in Path("/proc").glob("[0-9]*"))
-    return [kid for kid in pids if (stat_fields(kid) or [None, None])[1] == str(pid)]
-
-
 def stop_with_stacks(proc: subprocess.Popen, grace: float = 3.0) -> int:
     """A run past its time: STACK_SIGNAL to the trainers (the process itself, or torchrun's
     workers: the launcher has no handler for it), `grace` seconds for them to print, then
     SIGKILL to each of them and to the run's process group (torchrun starts its workers in
     sessions of their own, so the group alone would leave them running). Returns -9."""
     torchrun = "torch.distributed.run" in " ".join(map(str, proc.args))
-    trainers = _children(proc.pid) if torchrun else []
+    trainers = child_pids(proc.pid) if torchrun else []
     for pid in trainers or [proc.pid]:  # one at a time: their prints share one file
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, STACK_SIGNAL)
